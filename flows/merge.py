@@ -1,0 +1,67 @@
+"""Flow `merge`: on-policy distillation of the routed specialist teachers into one student, per-route retention in
+MLflow.
+
+Run:  python -m flows.merge [--profile quick] [--student_uri PATH] [--teachers '["spec-add-low", ...]']
+                            [--opd.steps 300] [--opd.batch_size 64] [--experiment opd-merge] ...
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+
+from prefect import flow, task
+from prefect.artifacts import create_table_artifact
+
+from tasks.log import say
+from tasks.config import MergeConfig, pipeline_config
+from tasks.merge import run_merge, start_merge_run
+from tasks.pretrain import build_world_task, latest_base
+from tasks.tracking import format_retention_table, tracking_uri
+from teachers.registry import TeacherRegistry
+from teachers.router import Router
+
+
+@task(name="route-teachers")
+def route_teachers(cfg: MergeConfig, world_path: str) -> Router:
+    """Map every route of the prompt set to a registered teacher and print the coverage report (or fail naming the
+    routes that have teachers)."""
+    from tasks.data import load_prompts
+
+    router = Router.from_registry(TeacherRegistry(), cfg.world.routes, cfg.teachers or None)
+    counts: dict[str, int] = {}
+    for r in load_prompts(world_path)["train"]["route"]:
+        counts[r] = counts.get(r, 0) + 1
+    say("routing coverage:\n" + router.format_coverage(counts))
+    for w in router.warnings:
+        say(f"warning: {w}")
+    return router
+
+
+@flow(name="merge")
+def merge(cfg: MergeConfig = MergeConfig()) -> dict:
+    """Route -> OPD loop -> retention table; returns the MLflow run id, student URI and the table rows."""
+    if not cfg.student_uri:
+        cfg = cfg.model_copy(update={"student_uri": latest_base()})
+    world_path = build_world_task(cfg.world)
+    router = route_teachers(cfg, world_path)
+    run_name = f"merge-{len(router.teachers())}teachers-rkl-{datetime.now():%Y%m%d-%H%M%S}"
+    run_id = start_merge_run(cfg, router, run_name)
+    say(f"MLflow run {run_id} ({run_name}) at {tracking_uri()}")
+    result = run_merge(cfg, world_path, router, run_id)
+    table = format_retention_table(result["rows"])
+    mean = sum(r["retention"] for r in result["rows"]) / len(result["rows"])
+    say(f"retention per route (mean {mean:.3f}):\n{table}")
+    create_table_artifact(table=result["rows"], key="retention", description=f"MLflow run {run_id}")
+    return {**result, "mean_retention": mean}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tasks.cli import parse_config
+
+    cfg = parse_config(argv, lambda profile="default": pipeline_config(profile).merge("", []), __doc__, with_profile=True)
+    return merge(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,66 @@
+"""Flow `train specialists`: one fine-tune of the base per route (fanned out on Prefect's task runner), each
+evaluated on its route's held-out prompts and registered as a teacher. Cached: a rerun skips finished specialists.
+
+Run:  python -m flows.specialists [--profile quick] [--base_uri PATH] [--train.steps 600] [--workers 2] ...
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from tasks.log import say
+from tasks.config import SpecialistsConfig, pipeline_config
+from tasks.models import checkpoint_fingerprint
+from tasks.pretrain import build_world_task, latest_base
+from tasks.specialist import train_specialist
+from teachers.registry import Provenance, TeacherRegistry
+
+
+@flow(name="train-specialists")
+def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]:
+    """Train, evaluate and register one specialist per route; returns the registered teacher names."""
+    base_uri = cfg.base_uri or latest_base()
+    world_path = build_world_task(cfg.world)
+    base_fp = checkpoint_fingerprint(base_uri) if Path(base_uri).exists() else base_uri
+    with ThreadPoolTaskRunner(max_workers=cfg.workers) as runner:
+        futures = [
+            runner.submit(train_specialist, parameters=dict(
+                world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=cfg.train))
+            for r in cfg.world.routes
+        ]
+        results = [f.result(raise_on_failure=False) for f in futures]
+    registry = TeacherRegistry()
+    names, failed = [], []
+    for route, res in zip(cfg.world.routes, results):
+        if isinstance(res, BaseException):
+            failed.append(f"{route}: {type(res).__name__}: {res}")
+            continue
+        if res["accuracy"] < cfg.min_accuracy:
+            failed.append(f"{route}: accuracy {res['accuracy']:.3f} < min_accuracy {cfg.min_accuracy}")
+            continue
+        name = f"{cfg.name_prefix}-{route}"
+        registry.register_checkpoint(
+            name, route, res["uri"], Path(world_path) / "tokenizer", eval_score=res["accuracy"], replace=True,
+            provenance=Provenance(base=base_fp, data=Path(world_path).name, config_hash=cfg.train.config_hash(),
+                                  source="train-specialists"),
+        )
+        names.append(name)
+        say(f"registered teacher {name} ({route}, accuracy {res['accuracy']:.3f})")
+    if failed:
+        raise RuntimeError(f"{len(failed)} specialist(s) failed (the {len(names)} others are registered): " + "; ".join(failed))
+    return names
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    from tasks.cli import parse_config
+
+    cfg = parse_config(argv, lambda profile="default": pipeline_config(profile).specialists(""), __doc__, with_profile=True)
+    return train_specialists(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

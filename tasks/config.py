@@ -1,0 +1,232 @@
+"""One typed, validated config per flow. Field names are the same on the command line (``--opd.steps 300``), in
+prefect.yaml parameters and in MLflow params (``opd.steps``). Defaults are the ``default`` profile; ``quick`` is a
+smaller world and fewer steps through the same code path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tasks.world import DOMAINS, Route, check_route
+
+Profile = Literal["quick", "default"]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+class WorldConfig(_Config):
+    """The built-in world: which routes exist and how their prompt sets are generated."""
+
+    routes: list[str] = Field(
+        default_factory=lambda: ["add-low", "add-high", "rev-low", "rev-high", "sort-low", "sort-high"],
+        description="Routes to build, each '<domain>-<budget>' with domain in add/rev/sort and budget low/high.",
+    )
+    seed: int = Field(0, ge=0, description="Seed of the prompt generator (the prompt sets are deterministic in it).")
+    train_size: int = Field(3000, ge=1, le=1_000_000, description="Training prompts per route.")
+    eval_size: int = Field(200, ge=1, le=100_000, description="Held-out evaluation prompts per route.")
+    min_len: dict[str, int] = Field(
+        default_factory=lambda: {"add": 2, "rev": 3, "sort": 3},
+        description="Shortest problem per domain (single-digit terms for add, characters for rev/sort).",
+    )
+    max_len: dict[str, int] = Field(
+        default_factory=lambda: {"add": 5, "rev": 8, "sort": 8},
+        description="Longest problem per domain.",
+    )
+    prompt_files: dict[str, str] = Field(
+        default_factory=dict,
+        description="Optional route -> JSONL or parquet file with a 'problem' column, used instead of generated prompts.",
+    )
+
+    @field_validator("routes")
+    @classmethod
+    def _routes(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one route is needed")
+        for r in v:
+            check_route(Route.parse(r))
+        if len(set(v)) != len(v):
+            raise ValueError(f"routes repeat: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "WorldConfig":
+        for d in DOMAINS:
+            lo, hi = self.min_len.get(d), self.max_len.get(d)
+            if lo is None or hi is None:
+                raise ValueError(f"min_len and max_len need an entry for domain {d!r}")
+            if not 1 <= lo <= hi <= 40:
+                raise ValueError(f"domain {d!r}: need 1 <= min_len ({lo}) <= max_len ({hi}) <= 40")
+        for r in self.prompt_files:
+            if r not in self.routes:
+                raise ValueError(f"prompt_files names route {r!r}, which is not in routes {self.routes}")
+        return self
+
+    def route_objs(self) -> list[Route]:
+        return [Route.parse(r) for r in self.routes]
+
+
+class ModelConfig(_Config):
+    """Shape of the freshly created base model (decoder-only, untied embeddings)."""
+
+    arch: Literal["llama", "qwen2"] = Field("llama", description="transformers architecture of the base.")
+    hidden_size: int = Field(128, ge=8, le=8192, description="Hidden width.")
+    num_layers: int = Field(3, ge=1, le=64, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, le=64, description="Attention heads.")
+    intermediate_size: int = Field(512, ge=8, le=32768, description="MLP width.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        return self
+
+
+class TrainConfig(_Config):
+    """A supervised fine-tuning loop on gold completions (base pre-training and specialists)."""
+
+    steps: int = Field(600, ge=1, le=1_000_000, description="Optimizer steps.")
+    batch_size: int = Field(64, ge=1, le=4096, description="Sequences per step.")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="AdamW peak learning rate (linear warmup, cosine decay).")
+    warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
+    seed: int = Field(0, ge=0, description="Seed for init, batch order and dropout.")
+
+
+class OPDConfig(_Config):
+    """On-policy distillation: student samples, routed teachers score, per-token reverse KL."""
+
+    steps: int = Field(300, ge=1, le=1_000_000, description="Optimizer steps of the merge.")
+    batch_size: int = Field(64, ge=1, le=4096, description="Prompts per step, mixed uniformly over routes.")
+    lr: float = Field(1e-3, gt=0, le=1.0, description="AdamW peak learning rate of the student (warmup, cosine decay).")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    sample_temperature: float = Field(1.0, gt=0, le=10.0, description="Student sampling temperature for rollouts.")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=4096, description="Rollout length cap; default: longest gold completion + 2 tokens."
+    )
+    chunk_size: int = Field(16, ge=1, le=65536, description="Sequence positions per chunk of the divergence.")
+    eval_every: int = Field(100, ge=1, description="Evaluate every N steps (and at the start and the end).")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
+
+
+class PretrainConfig(_Config):
+    """Flow `prepare base`: build the world, create a base from a config and pre-train it briefly on the mixed world."""
+
+    world: WorldConfig = Field(default_factory=WorldConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
+
+
+class SpecialistsConfig(_Config):
+    """Flow `train specialists`: one fine-tune of the base per route, evaluated and registered as a teacher."""
+
+    world: WorldConfig = Field(default_factory=WorldConfig)
+    base_uri: str = Field("", description="Base checkpoint (local path or hub id); empty = the pipeline's base.")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
+    min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
+    workers: int = Field(1, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
+    name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names: <prefix>-<route>.")
+
+
+class MergeConfig(_Config):
+    """Flow `merge`: on-policy distillation of the routed teachers into one student."""
+
+    world: WorldConfig = Field(default_factory=WorldConfig)
+    student_uri: str = Field("", description="Student initialisation (local path or hub id); empty = the pipeline's base.")
+    teachers: list[str] = Field(
+        default_factory=list, description="Teacher names from the registry; empty = newest teacher per route."
+    )
+    opd: OPDConfig = Field(default_factory=OPDConfig)
+    experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
+
+
+class PipelineConfig(_Config):
+    """Flow `pipeline` (the main job): world -> base -> specialists -> registry -> merge -> retention table."""
+
+    profile: Profile = Field("default", description="Named preset this config started from.")
+    world: WorldConfig = Field(default_factory=WorldConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    base_train: TrainConfig = Field(default_factory=lambda: PretrainConfig().train)
+    specialist_train: TrainConfig = Field(default_factory=lambda: SpecialistsConfig().train)
+    min_accuracy: float = Field(0.9, ge=0, le=1, description="Specialists below this eval accuracy fail the flow.")
+    workers: int = Field(1, ge=1, le=64, description="Specialists trained at once.")
+    opd: OPDConfig = Field(default_factory=OPDConfig)
+    experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
+
+    def pretrain(self) -> PretrainConfig:
+        return PretrainConfig(world=self.world, model=self.model, train=self.base_train)
+
+    def specialists(self, base_uri: str) -> SpecialistsConfig:
+        return SpecialistsConfig(
+            world=self.world, base_uri=base_uri, train=self.specialist_train,
+            min_accuracy=self.min_accuracy, workers=self.workers,
+        )
+
+    def merge(self, student_uri: str, teachers: list[str]) -> MergeConfig:
+        return MergeConfig(
+            world=self.world, student_uri=student_uri, teachers=teachers, opd=self.opd, experiment=self.experiment
+        )
+
+
+QUICK_OVERRIDES: dict[str, Any] = {
+    "profile": "quick",
+    "world": {
+        "routes": ["add-low", "rev-high", "sort-low"],
+        "train_size": 1500,
+        "eval_size": 100,
+        "min_len": {"add": 2, "rev": 3, "sort": 3},
+        "max_len": {"add": 4, "rev": 5, "sort": 6},
+    },
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256},
+    "base_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
+    "specialist_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
+    "opd": {"steps": 80, "eval_every": 40, "batch_size": 48, "lr": 2e-3},
+}
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def pipeline_config(profile: Profile = "default", **overrides: Any) -> PipelineConfig:
+    """The pipeline config of a profile, with nested overrides applied on top (validated)."""
+    data = PipelineConfig().model_dump()
+    if profile == "quick":
+        data = _deep_merge(data, QUICK_OVERRIDES)
+    return PipelineConfig.model_validate(_deep_merge(data, overrides))
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """``{"opd.steps": 300, "world.routes": [...], ...}``: the names of MLflow params and command-line flags."""
+    out: dict[str, Any] = {}
+    for name in type(cfg).model_fields:
+        value = getattr(cfg, name)
+        if isinstance(value, BaseModel):
+            out.update(flatten(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`flatten` for plain values: ``{"opd.steps": 3}`` -> ``{"opd": {"steps": 3}}``."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out

@@ -1,0 +1,87 @@
+"""Model creation, loading and saving: every model is a transformers causal LM addressed by a local path or hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # one "Loading weights" bar per teacher load drowns the training progress bars
+
+# Honour OMP_NUM_THREADS even when torch was imported before tasks/__init__ set it (tiny models: 1 thread is fastest).
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+ARCHITECTURES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+
+
+def create_model(
+    tok: PreTrainedTokenizerBase,
+    arch: str = "llama",
+    hidden_size: int = 128,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_positions: int = 128,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A fresh decoder-only model from a config (untied embeddings, so weight reloads stay exact)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    return model
+
+
+def load_model(uri: str | Path, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Load a causal LM by local path or hub id, safetensors weights only."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(uri), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+    )
+    return model
+
+
+def save_model(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+    """Save weights (safetensors) and tokenizer side by side so the folder is a complete checkpoint."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """Hash of a checkpoint folder's weights and config: changes whenever the model does."""
+    h = hashlib.sha256()
+    root = Path(path)
+    files = sorted(p for p in root.glob("*") if p.suffix in {".safetensors", ".json"} and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no checkpoint files (*.safetensors, *.json) in {root}")
+    for p in files:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,56 @@
+"""Create the base model from a config and pre-train it briefly on the mixed world (weak but non-zero everywhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from tasks.config import PretrainConfig
+from tasks.data import build_world, load_prompts, max_new_tokens_for, rows_by_route
+from tasks.evaluate import evaluate_routes
+from tasks.models import create_model, save_model
+from tasks.paths import models_dir
+from tasks.tokenizer import load_tokenizer
+from tasks.train import train_sft
+from tasks.tracking import config_params, end_run, log_metrics, start_run
+
+
+@task(name="build-world", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+def build_world_task(cfg) -> str:
+    """Tokenizer and prompt sets on disk; returns the world folder."""
+    return str(build_world(cfg))
+
+
+def eval_sets(world_path: str | Path, split: str = "eval") -> dict[str, tuple[list[str], list[str]]]:
+    """route -> (prompts, problems) of a split."""
+    return {r: (d["prompt"], d["problem"]) for r, d in rows_by_route(load_prompts(world_path)[split]).items()}
+
+
+@task(name="pretrain-base", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+def pretrain_base(cfg: PretrainConfig, world_path: str) -> dict:
+    """Pre-train a fresh base on all routes' gold completions; returns its URI and per-route accuracy."""
+    tok = load_tokenizer(Path(world_path) / "tokenizer")
+    train = load_prompts(world_path)["train"]
+    model = create_model(tok, seed=cfg.train.seed, **cfg.model.model_dump())
+    run_id = start_run("opd-base", f"base-{cfg.config_hash()}", config_params(cfg))
+    train_sft(model, tok, train["prompt"], train["completion"], cfg.train, desc="base pre-training",
+              on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
+    cap = max_new_tokens_for(tok, train["completion"])
+    scores = evaluate_routes(model, tok, eval_sets(world_path), cap)
+    log_metrics(run_id, {f"accuracy/{r}": s.accuracy for r, s in scores.items()}, cfg.train.steps)
+    out = save_model(model, tok, models_dir() / f"base-{cfg.config_hash()}")
+    end_run(run_id, {"model_uri": str(out)})
+    (models_dir() / "LATEST_BASE").write_text(str(out))
+    return {"uri": str(out), "accuracy": {r: s.accuracy for r, s in scores.items()}}
+
+
+def latest_base() -> str:
+    """The base the last `prepare base` run produced (what an empty base/student URI means)."""
+    marker = models_dir() / "LATEST_BASE"
+    if not marker.exists():
+        raise FileNotFoundError(
+            f"no base model yet ({marker} missing): run `python -m flows.base` or the pipeline first, or pass a URI"
+        )
+    return marker.read_text().strip()

@@ -1,0 +1,88 @@
+"""A character-level tokenizer saved as a real Hugging Face ``PreTrainedTokenizerFast``.
+
+One token per character of :data:`tasks.world.CHARSET`, plus ``<pad> <bos> <eos> <unk>`` and one special token per
+domain and per budget (the route tags). It saves with ``save_pretrained`` and loads back with
+``AutoTokenizer.from_pretrained`` like any hub tokenizer, so the rest of the code never knows it is a toy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from tasks.world import BUDGETS, CHARSET, DOMAINS
+
+SPECIALS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+
+
+def route_tag_tokens() -> list[str]:
+    return [f"<{d}>" for d in DOMAINS] + [f"<{b}>" for b in BUDGETS]
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the world's tokenizer: specials first (ids 0..3), then route tags, then characters."""
+    tags = route_tag_tokens()
+    vocab_list = list(SPECIALS.values()) + tags + list(CHARSET)
+    vocab = {tok: i for i, tok in enumerate(vocab_list)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS["unk_token"]))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        additional_special_tokens=tags,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
+        **SPECIALS,
+    )
+    return tok
+
+
+def save_tokenizer(tok: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def load_tokenizer(uri: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load any tokenizer by local path or hub id (the same call a GPU user makes for a real checkpoint)."""
+    tok = AutoTokenizer.from_pretrained(str(uri), trust_remote_code=trust_remote_code)
+    tok.padding_side = "left"
+    return tok
+
+
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
+    """A stable hash of what must match between teacher and student: vocab, special tokens and their ids."""
+    payload = {
+        "vocab": sorted(tok.get_vocab().items()),
+        "special": sorted(tok.all_special_tokens),
+        "ids": [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id],
+    }
+    return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def compatibility_problems(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> list[str]:
+    """Everything that would make a teacher's log-probs meaningless on the student's tokens; [] when compatible."""
+    problems: list[str] = []
+    sv, tv = student.get_vocab(), teacher.get_vocab()
+    if sv != tv:
+        only_s = sorted(set(sv) - set(tv))[:8]
+        only_t = sorted(set(tv) - set(sv))[:8]
+        moved = sorted(k for k in set(sv) & set(tv) if sv[k] != tv[k])[:8]
+        problems.append(
+            f"vocabularies differ (student {len(sv)} tokens, teacher {len(tv)}; only in student: {only_s}, "
+            f"only in teacher: {only_t}, different ids: {moved})"
+        )
+    for attr in ("eos_token", "bos_token", "pad_token"):
+        s, t = getattr(student, attr), getattr(teacher, attr)
+        s_id, t_id = getattr(student, attr + "_id"), getattr(teacher, attr + "_id")
+        if (s, s_id) != (t, t_id):
+            problems.append(f"{attr} differs: student {s!r} (id {s_id}) vs teacher {t!r} (id {t_id})")
+    s_extra, t_extra = sorted(student.all_special_tokens), sorted(teacher.all_special_tokens)
+    if s_extra != t_extra:
+        problems.append(f"special tokens differ: student {s_extra} vs teacher {t_extra}")
+    return problems

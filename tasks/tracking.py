@@ -1,0 +1,116 @@
+"""MLflow: where runs go, how configs become params, and the retention table and chart of a merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+from pydantic import BaseModel
+
+from tasks.config import flatten
+from tasks.paths import state_dir
+
+
+def tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else a sqlite store inside the project state (never the cwd default)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{state_dir() / 'mlflow.db'}"
+
+
+def setup_mlflow(experiment: str) -> str:
+    """Point MLflow at the project store and return the experiment id (artifacts kept beside the database)."""
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        return exp.experiment_id
+    artifact_location = None
+    if uri.startswith("sqlite:///"):
+        artifact_location = (state_dir() / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(experiment, artifact_location=artifact_location)
+    except mlflow.exceptions.MlflowException:  # created by a concurrent process in between
+        return client.get_experiment_by_name(experiment).experiment_id
+
+
+def config_params(cfg: BaseModel) -> dict[str, str]:
+    """Every config field as an MLflow param, named as on the command line (``opd.steps``)."""
+    out = {}
+    for k, v in flatten(cfg).items():
+        out[k] = json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v)
+    return out
+
+
+def start_run(experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str] | None = None) -> str:
+    """Create a run by id (safe from worker threads, unlike the fluent API's active run) with its params; returns id."""
+    client = MlflowClient(tracking_uri())
+    run_id = client.create_run(setup_mlflow(experiment), run_name=run_name, tags=tags or {}).info.run_id
+    log_params(run_id, params)
+    return run_id
+
+
+def end_run(run_id: str, tags: dict[str, str] | None = None) -> None:
+    client = MlflowClient(tracking_uri())
+    for k, v in (tags or {}).items():
+        client.set_tag(run_id, k, v)
+    client.set_terminated(run_id)
+
+
+def log_params(run_id: str, params: dict[str, Any]) -> None:
+    MlflowClient(tracking_uri()).log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
+    """One batched write of ``metric/route`` keys for a step."""
+    ts = int(time.time() * 1000)
+    MlflowClient(tracking_uri()).log_batch(
+        run_id, metrics=[Metric(k, float(v), ts, step) for k, v in sorted(metrics.items())]
+    )
+
+
+def retention_figure(rows: list[dict[str, Any]], title: str):
+    """Bar chart: teacher, base and student accuracy per route, with retention written above each student bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    routes = [r["route"] for r in rows]
+    x = range(len(routes))
+    w = 0.27
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(routes)), 4))
+    ax.bar([i - w for i in x], [r["base_accuracy"] for r in rows], w, label="base", color="#bbbbbb")
+    ax.bar(list(x), [r["teacher_accuracy"] for r in rows], w, label="teacher", color="#4c72b0")
+    bars = ax.bar([i + w for i in x], [r["student_accuracy"] for r in rows], w, label="student", color="#dd8452")
+    for b, r in zip(bars, rows):
+        ax.annotate(f"{r['retention']:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks(list(x), routes, rotation=20)
+    ax.set_ylim(0, 1.15)
+    ax.set_ylabel("accuracy (retention above student bars)")
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def log_retention(run_id: str, rows: list[dict[str, Any]], student_dir: str | os.PathLike) -> None:
+    """The end of a merge run: the retention table, its bar chart and the student checkpoint as artifacts."""
+    client = MlflowClient(tracking_uri())
+    client.log_table(run_id, data={k: [row[k] for row in rows] for k in rows[0]}, artifact_file="retention.json")
+    fig = retention_figure(rows, f"OPD merge {run_id[:8]}: accuracy per route, retention above the student bars")
+    client.log_figure(run_id, fig, "retention.png")
+    client.log_artifacts(run_id, str(student_dir), "student")
+
+
+def format_retention_table(rows: list[dict[str, Any]]) -> str:
+    from tasks.table import format_table
+
+    keys = ["route", "teacher", "base_accuracy", "teacher_accuracy", "student_accuracy", "retention"]
+    body = [[r[k] for k in keys] for r in rows]
+    return format_table(["route", "teacher", "base acc", "teacher acc", "student acc", "retention"], body)

@@ -1,0 +1,196 @@
+"""The built-in world: synthetic verifiable domains, reasoning budgets and prompt formatting.
+
+A route is ``<domain>-<budget>``. The budget is part of the prompt (a tag token), so one student must learn to
+answer directly (``low``) or write a short scratchpad before the answer (``high``). A completion is
+``[scratchpad SEP] answer EOS``; verifiers look only at the text after the last separator.
+
+Everything here is pure Python: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+# Bump when a domain's generator, answer or scratchpad changes: cached prompt sets are keyed on it.
+WORLD_VERSION = 2
+BUDGETS: tuple[str, ...] = ("low", "high")
+ANSWER_SEP = "|"
+PROMPT_END = "="
+ROUTE_RE = re.compile(r"^(?P<domain>[a-z][a-z0-9_]*)-(?P<budget>[a-z][a-z0-9_]*)$")
+
+
+@dataclass(frozen=True, order=True)
+class Route:
+    """One prompt family: a domain at a reasoning budget, written ``domain-budget``."""
+
+    domain: str
+    budget: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.domain}-{self.budget}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, text: str) -> "Route":
+        """Parse ``"add-high"``; raise ValueError naming the expected form otherwise."""
+        m = ROUTE_RE.match(text.strip()) if isinstance(text, str) else None
+        if m is None:
+            raise ValueError(f"route {text!r} is not of the form '<domain>-<budget>' (for example 'add-high')")
+        return cls(m["domain"], m["budget"])
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A verifiable task family.
+
+    ``sample(rng, min_len, max_len)`` draws a problem string; ``answer(problem)`` is the gold final answer;
+    ``scratchpad(problem)`` is the working written at the ``high`` budget. ``min_len``/``max_len`` count terms
+    (add) or characters (rev, sort).
+    """
+
+    name: str
+    alphabet: str
+    sample: Callable[[random.Random, int, int], str]
+    answer: Callable[[str], str]
+    scratchpad: Callable[[str], str]
+    problem_re: re.Pattern
+
+
+def _sample_add(rng: random.Random, min_len: int, max_len: int) -> str:
+    return "+".join(str(rng.randint(0, 9)) for _ in range(rng.randint(min_len, max_len)))
+
+
+def _answer_add(problem: str) -> str:
+    return str(sum(int(x) for x in problem.split("+")))
+
+
+def _scratch_add(problem: str) -> str:
+    """Running sums after each further term, e.g. 3+5+9+4 -> ``8,17,21``."""
+    total, sums = int(problem[0]), []
+    for term in problem.split("+")[1:]:
+        total += int(term)
+        sums.append(str(total))
+    return ",".join(sums)
+
+
+def _sample_letters(alphabet: str) -> Callable[[random.Random, int, int], str]:
+    def sample(rng: random.Random, min_len: int, max_len: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(min_len, max_len)))
+
+    return sample
+
+
+def _scratch_sort(problem: str) -> str:
+    """The count of each digit present, in order, e.g. 5203 -> ``0x1,2x1,3x1,5x1``."""
+    return ",".join(f"{d}x{problem.count(d)}" for d in sorted(set(problem)))
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+DIGITS = "0123456789"
+
+DOMAINS: dict[str, Domain] = {
+    "add": Domain(
+        name="add",
+        alphabet=DIGITS + "+",
+        sample=_sample_add,
+        answer=_answer_add,
+        scratchpad=_scratch_add,
+        problem_re=re.compile(r"^\d(\+\d){0,39}$"),
+    ),
+    "rev": Domain(
+        name="rev",
+        alphabet=LETTERS,
+        sample=_sample_letters(LETTERS),
+        answer=lambda p: p[::-1],
+        scratchpad=lambda p: str(len(p)),
+        problem_re=re.compile(r"^[a-z]{1,40}$"),
+    ),
+    "sort": Domain(
+        name="sort",
+        alphabet=DIGITS,
+        sample=_sample_letters(DIGITS),
+        answer=lambda p: "".join(sorted(p)),
+        scratchpad=_scratch_sort,
+        problem_re=re.compile(r"^\d{1,40}$"),
+    ),
+}
+
+# Every character a prompt or completion of the built-in world can contain, besides special tokens.
+CHARSET: str = "".join(sorted(set(DIGITS + LETTERS + "+=|,:x")))
+
+
+def domain_of(route: Route) -> Domain:
+    try:
+        return DOMAINS[route.domain]
+    except KeyError:
+        raise ValueError(f"unknown domain {route.domain!r} in route {route.name!r}; known: {sorted(DOMAINS)}") from None
+
+
+def check_route(route: Route) -> Route:
+    """Validate a route against the built-in domains and budgets."""
+    domain_of(route)
+    if route.budget not in BUDGETS:
+        raise ValueError(f"unknown budget {route.budget!r} in route {route.name!r}; known: {list(BUDGETS)}")
+    return route
+
+
+def all_routes() -> list[Route]:
+    return [Route(d, b) for d in DOMAINS for b in BUDGETS]
+
+
+def route_tags(route: Route) -> tuple[str, str]:
+    """The two special tokens that name a route inside a prompt."""
+    return f"<{route.domain}>", f"<{route.budget}>"
+
+
+def format_prompt(route: Route, problem: str, bos: str = "<bos>") -> str:
+    """``<bos><add><high>347+285=``: what the student and every teacher see before the completion."""
+    d, b = route_tags(route)
+    return f"{bos}{d}{b}{problem}{PROMPT_END}"
+
+
+def gold_completion(route: Route, problem: str) -> str:
+    """The reference completion text (without EOS) that specialists are fine-tuned on."""
+    dom = domain_of(route)
+    answer = dom.answer(problem)
+    if route.budget == "high":
+        return f"{dom.scratchpad(problem)}{ANSWER_SEP}{answer}"
+    return answer
+
+
+def extract_answer(completion: str) -> str:
+    """The final answer: the text after the last separator; scratchpad text does not count."""
+    return completion.rsplit(ANSWER_SEP, 1)[-1].strip()
+
+
+def verify(route: Route, problem: str, completion: str) -> bool:
+    """True when the completion's final answer is correct for the problem (computed from the problem itself)."""
+    return extract_answer(completion) == domain_of(route).answer(problem)
+
+
+def sample_problems(route: Route, n: int, seed: int, min_len: int, max_len: int, exclude: set[str] | None = None) -> list[str]:
+    """``n`` distinct problems for a route, deterministic in ``seed``; never one from ``exclude``."""
+    dom = domain_of(route)
+    rng = random.Random(f"{seed}/{route.name}")
+    exclude = exclude or set()
+    seen: set[str] = set()
+    out: list[str] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(
+                f"route {route.name}: only {len(out)} distinct problems of length {min_len}-{max_len} exist, {n} asked"
+            )
+        p = dom.sample(rng, min_len, max_len)
+        if p in seen or p in exclude:
+            continue
+        seen.add(p)
+        out.append(p)
+    return out

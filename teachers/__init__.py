@@ -1,0 +1,4 @@
+"""The teacher registry (what a teacher is, the registry file, its API and CLI) and routing prompts to teachers.
+
+CLI: ``python -m teachers --help``.
+"""

@@ -1,0 +1,328 @@
+"""The teacher registry: a JSON file of frozen teacher records, not a plugin system.
+
+A teacher is one entry: name, route, checkpoint URI, tokenizer fingerprint, eval score and provenance. The file is
+``{"version": 1, "teachers": [...]}`` at :func:`tasks.paths.registry_path` (``$OPD_REGISTRY`` overrides); a missing
+file is an empty registry. Several processes may register at once: every read-modify-write holds an exclusive
+``flock`` on ``<file>.lock`` and replaces the file atomically.
+
+    from teachers.registry import TeacherRegistry
+    reg = TeacherRegistry()
+    reg.register_checkpoint("add-high-v1", "add-high", ".opd/models/add-high", ".opd/world/tokenizer")
+    reg.for_route("add-high")
+
+From a shell, ``python -m teachers --help`` (see :mod:`teachers.cli`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import tempfile
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tasks.paths import registry_path
+from tasks.world import Route
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+REGISTRY_VERSION = 1
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+class RegistryError(Exception):
+    """The registry file or an operation on it is invalid."""
+
+
+class TeacherNotFound(RegistryError, KeyError):
+    """No teacher of that name; the message lists the names there are."""
+
+    # KeyError.__str__ would repr() the message and wrap it in quotes.
+    __str__ = Exception.__str__
+
+
+class IncompatibleTeacher(RegistryError):
+    """A checkpoint that cannot serve as a teacher for the student; ``problems`` lists why."""
+
+    def __init__(self, name: str, model_uri: str, problems: list[str]):
+        self.name, self.model_uri, self.problems = name, model_uri, problems
+        super().__init__(f"teacher {name!r} at {model_uri} cannot be registered: " + "; ".join(problems))
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(
+            f"teacher name {name!r} is not a slug: use 1-64 characters from a-z 0-9 . _ -, "
+            "starting with a letter or digit (for example 'add-high-v2')"
+        )
+    return name
+
+
+class Provenance(BaseModel):
+    """Where a teacher came from, enough to rebuild or audit it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: str | None = Field(None, description="base checkpoint URI or fingerprint the teacher was trained from")
+    data: str | None = Field(None, description="training data fingerprint or description")
+    config_hash: str | None = Field(None, description="hash of the training config")
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC), description="UTC creation time")
+    source: str = Field("api", description="who registered it: train-specialists, cli, api, ...")
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc(cls, v: datetime) -> datetime:
+        # Naive times are taken as UTC so records written by hand still sort correctly against generated ones.
+        return v.replace(tzinfo=UTC) if v.tzinfo is None else v.astimezone(UTC)
+
+
+class TeacherRecord(BaseModel):
+    """One teacher: a checkpoint that answers prompts of one route."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="unique slug, e.g. 'add-high-v2'")
+    route: str = Field(description="route served, '<domain>-<budget>'")
+    model_uri: str = Field(min_length=1, description="local checkpoint path or hub id")
+    tokenizer_fingerprint: str = Field(min_length=1, description="tokenizer_fingerprint() of its tokenizer")
+    eval_score: float | None = Field(None, ge=0.0, le=1.0, description="accuracy on its route, if measured")
+    provenance: Provenance = Field(default_factory=Provenance)
+    trust_remote_code: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @field_validator("route")
+    @classmethod
+    def _route(cls, v: str) -> str:
+        return Route.parse(v).name
+
+    @property
+    def route_obj(self) -> Route:
+        return Route.parse(self.route)
+
+
+def route_name(route: Route | str) -> str:
+    """``"add-high"`` from a Route or a string (checked: ValueError on a malformed one)."""
+    return route.name if isinstance(route, Route) else Route.parse(route).name
+
+
+def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
+    """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags."""
+    payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint] for r in records)
+    return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+def _format_validation(err: ValidationError, where: str) -> str:
+    """One line per pydantic error, ``teachers[2].eval_score: Input should be ...``, joined with '; '."""
+    return "; ".join(".".join([where, *map(str, e["loc"])]) + f": {e['msg']}" for e in err.errors())
+
+
+class TeacherRegistry:
+    """The registry file at ``path`` (default :func:`tasks.paths.registry_path`)."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path).expanduser().resolve() if path is not None else registry_path()
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+
+    def __repr__(self) -> str:
+        return f"TeacherRegistry({str(self.path)!r})"
+
+    # -- reading -------------------------------------------------------------------------------------------------
+
+    def list(self) -> list[TeacherRecord]:
+        return sorted(self._read(), key=lambda r: r.name)
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.list()]
+
+    def get(self, name: str) -> TeacherRecord:
+        records = self.list()
+        for r in records:
+            if r.name == name:
+                return r
+        raise self._not_found(name, records)
+
+    def for_route(self, route: Route | str) -> list[TeacherRecord]:
+        key = route_name(route)
+        return [r for r in self.list() if r.route == key]
+
+    # -- writing -------------------------------------------------------------------------------------------------
+
+    def add(self, record: TeacherRecord, replace: bool = False) -> TeacherRecord:
+        with self._locked():
+            records = self._read()
+            if not replace and any(r.name == record.name for r in records):
+                raise RegistryError(
+                    f"teacher {record.name!r} is already in {self.path}; "
+                    "pass replace=True (CLI: --replace) to overwrite"
+                )
+            self._write([r for r in records if r.name != record.name] + [record])
+        return record
+
+    def remove(self, name: str) -> TeacherRecord:
+        with self._locked():
+            records = self._read()
+            gone = [r for r in records if r.name == name]
+            if not gone:
+                raise self._not_found(name, records)
+            self._write([r for r in records if r.name != name])
+        return gone[0]
+
+    def register_checkpoint(
+        self,
+        name: str,
+        route: Route | str,
+        model_uri: str | Path,
+        reference_tokenizer: PreTrainedTokenizerBase | str | Path,
+        *,
+        eval_score: float | None = None,
+        provenance: Provenance | None = None,
+        replace: bool = False,
+        trust_remote_code: bool = False,
+    ) -> TeacherRecord:
+        """Check that any HF checkpoint can teach the student, then add it; nothing is written unless it can.
+
+        Raises :class:`IncompatibleTeacher` listing every problem: a bad name or route, a config or tokenizer that
+        does not load, a tokenizer that differs from ``reference_tokenizer`` (object or path), too small a vocab.
+        """
+        # Imported here so that list/show/remove (and the CLI) do not pay for importing transformers.
+        from transformers import AutoConfig
+
+        from tasks.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
+
+        uri = str(model_uri)
+        local = Path(uri).expanduser()
+        if local.exists():
+            # Absolute, so the record still resolves from another working directory.
+            uri = str(local.resolve())
+        route_text = route.name if isinstance(route, Route) else str(route)
+
+        problems: list[str] = []
+        for check, value in ((check_name, name), (Route.parse, route_text)):
+            try:
+                check(value)
+            except ValueError as e:
+                problems.append(str(e))
+        # transformers raises OSError, ValueError, KeyError, ... depending on what is missing; all mean "not loadable".
+        config = teacher_tok = None
+        try:
+            config = AutoConfig.from_pretrained(uri, trust_remote_code=trust_remote_code)
+        except Exception as e:
+            problems.append(f"config does not load: {type(e).__name__}: {_first_line(e)}")
+        try:
+            teacher_tok = load_tokenizer(uri, trust_remote_code=trust_remote_code)
+        except Exception as e:
+            problems.append(f"tokenizer does not load: {type(e).__name__}: {_first_line(e)}")
+        if not isinstance(reference_tokenizer, (str, Path)):
+            ref_tok = reference_tokenizer
+        else:
+            try:
+                ref_tok = load_tokenizer(reference_tokenizer)
+            except Exception as e:
+                raise RegistryError(
+                    f"student tokenizer {str(reference_tokenizer)!r} does not load: "
+                    f"{type(e).__name__}: {_first_line(e)}"
+                ) from e
+        if teacher_tok is not None:
+            problems += compatibility_problems(ref_tok, teacher_tok)
+        vocab_size = getattr(config, "vocab_size", None)
+        if isinstance(vocab_size, int) and vocab_size < len(ref_tok):
+            problems.append(f"model vocab_size {vocab_size} < {len(ref_tok)} tokens of the student tokenizer")
+        if problems:
+            raise IncompatibleTeacher(name, uri, problems)
+
+        try:
+            record = TeacherRecord(
+                name=name,
+                route=route_text,
+                model_uri=uri,
+                tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok),
+                eval_score=eval_score,
+                provenance=provenance or Provenance(source="api"),
+                trust_remote_code=trust_remote_code,
+            )
+        except ValidationError as e:
+            raise RegistryError(_format_validation(e, f"teacher {name!r}")) from e
+        return self.add(record, replace=replace)
+
+    def _not_found(self, name: str, records: list[TeacherRecord]) -> TeacherNotFound:
+        return TeacherNotFound(f"no teacher {name!r} in {self.path}; available: {sorted(r.name for r in records)}")
+
+    # -- file format ---------------------------------------------------------------------------------------------
+
+    def _read(self) -> list[TeacherRecord]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return []
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RegistryError(f"{self.path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+        if not isinstance(doc, dict) or not isinstance(doc.get("teachers"), list):
+            raise RegistryError(f'{self.path}: expected {{"version": {REGISTRY_VERSION}, "teachers": [...]}}')
+        if doc.get("version") != REGISTRY_VERSION:
+            raise RegistryError(
+                f"{self.path}: version {doc.get('version')!r} is not supported (expected {REGISTRY_VERSION})"
+            )
+        records: list[TeacherRecord] = []
+        for i, entry in enumerate(doc["teachers"]):
+            try:
+                records.append(TeacherRecord.model_validate(entry))
+            except ValidationError as e:
+                raise RegistryError(f"{self.path}: {_format_validation(e, f'teachers[{i}]')}") from e
+        seen: set[str] = set()
+        for r in records:
+            if r.name in seen:
+                raise RegistryError(f"{self.path}: teacher name {r.name!r} appears more than once")
+            seen.add(r.name)
+        return records
+
+    def _write(self, records: list[TeacherRecord]) -> None:
+        doc: dict[str, Any] = {
+            "version": REGISTRY_VERSION,
+            "teachers": [r.model_dump(mode="json") for r in sorted(records, key=lambda r: r.name)],
+        }
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        # The rename itself must reach the disk too, or a crash can bring back the old file.
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""

@@ -1,0 +1,127 @@
+"""Routing: which teacher scores the student's rollouts for each prompt, by the prompt's route.
+
+    from teachers.registry import TeacherRegistry
+    from teachers.router import Router
+    router = Router.from_registry(TeacherRegistry(), ["add-high", "rev-low"])   # newest teacher per route
+    router.group(["add-high", "rev-low", "add-high"])                         # {"add-high-v1": [0, 2], ...}
+    print(router.format_coverage({"add-high": 512, "rev-low": 512}))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tasks.world import Route
+from teachers.registry import TeacherRecord, TeacherRegistry, route_name
+from tasks.table import format_table
+
+
+class RoutingError(ValueError):
+    """The requested teachers cannot form a route -> teacher map."""
+
+
+class UnmappedRouteError(RoutingError):
+    """Prompts of a route that no teacher serves; names the routes that do have one."""
+
+    def __init__(self, routes: Iterable[str], available: Iterable[str]):
+        self.routes, self.available = sorted(set(routes)), sorted(set(available))
+        super().__init__(f"no teacher for route(s) {self.routes}; routes with a teacher: {self.available}")
+
+
+class Router:
+    """A fixed map from route name to teacher record. ``warnings`` holds what was odd but allowed."""
+
+    def __init__(self, mapping: Mapping[Route | str, TeacherRecord], warnings: list[str] | None = None):
+        self._mapping: dict[str, TeacherRecord] = {route_name(k): v for k, v in mapping.items()}
+        self.warnings: list[str] = list(warnings or [])
+
+    def __repr__(self) -> str:
+        return f"Router({ {k: v.name for k, v in sorted(self._mapping.items())} })"
+
+    @classmethod
+    def from_registry(
+        cls,
+        registry: TeacherRegistry,
+        routes: Iterable[Route | str],
+        teacher_names: list[str] | None = None,
+    ) -> Router:
+        """Map every route in ``routes`` to a teacher.
+
+        With ``teacher_names`` exactly those teachers are used (two on one route is an error; one whose route no
+        prompt uses is a warning). Without, each route gets its most recently created teacher (ties: by name).
+        """
+        wanted = list(dict.fromkeys(route_name(r) for r in routes))
+        records = registry.list()
+        warnings: list[str] = []
+        mapping: dict[str, TeacherRecord] = {}
+        if teacher_names is not None:
+            by_name = {r.name: r for r in records}
+            for name in dict.fromkeys(teacher_names):
+                rec = by_name.get(name) or registry.get(name)  # get() raises TeacherNotFound listing the names
+                if rec.route in mapping:
+                    raise RoutingError(
+                        f"teachers {mapping[rec.route].name!r} and {rec.name!r} both serve route {rec.route!r}; "
+                        "name at most one teacher per route"
+                    )
+                mapping[rec.route] = rec
+                if rec.route not in wanted:
+                    warnings.append(f"teacher {rec.name!r} serves route {rec.route!r}, which no prompt uses")
+        else:
+            for route in wanted:
+                candidates = [r for r in records if r.route == route]
+                if candidates:
+                    mapping[route] = max(candidates, key=lambda r: (r.provenance.created_at, r.name))
+        missing = [r for r in wanted if r not in mapping]
+        if missing:
+            # Name the routes the caller could actually get: the chosen ones, or the registry's if none were named.
+            available = mapping if teacher_names is not None else {r.route for r in records}
+            raise UnmappedRouteError(missing, available)
+        return cls(mapping, warnings)
+
+    @property
+    def mapping(self) -> dict[str, TeacherRecord]:
+        return dict(self._mapping)
+
+    def teacher_for(self, route: Route | str) -> TeacherRecord:
+        key = route_name(route)
+        try:
+            return self._mapping[key]
+        except KeyError:
+            raise UnmappedRouteError([key], self._mapping) from None
+
+    def teachers(self) -> list[TeacherRecord]:
+        return sorted({r.name: r for r in self._mapping.values()}.values(), key=lambda r: r.name)
+
+    def group(self, routes_per_row: Iterable[Route | str]) -> dict[str, list[int]]:
+        """Row indices per teacher name, in row order, so each teacher scores its rows in one batch."""
+        groups: dict[str, list[int]] = {}
+        missing: list[str] = []
+        for i, route in enumerate(routes_per_row):
+            rec = self._mapping.get(route_name(route))
+            if rec is None:
+                missing.append(route_name(route))
+            else:
+                groups.setdefault(rec.name, []).append(i)
+        if missing:
+            raise UnmappedRouteError(missing, self._mapping)
+        return groups
+
+    def coverage(self, prompt_counts: Mapping[str, int]) -> list[dict[str, Any]]:
+        """One row per route that has prompts or a teacher, sorted by route; a gap shows as teacher None."""
+        counts = {route_name(k): v for k, v in prompt_counts.items()}
+        rows = []
+        for route in sorted(set(counts) | set(self._mapping)):
+            rec = self._mapping.get(route)
+            rows.append({
+                "route": route,
+                "prompts": counts.get(route, 0),
+                "teacher": rec.name if rec else None,
+                "model_uri": rec.model_uri if rec else None,
+                "eval_score": rec.eval_score if rec else None,
+            })
+        return rows
+
+    def format_coverage(self, prompt_counts: Mapping[str, int]) -> str:
+        keys = ("route", "prompts", "teacher", "eval_score", "model_uri")
+        return format_table(keys, [[row[k] for k in keys] for row in self.coverage(prompt_counts)])

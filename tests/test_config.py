@@ -1,0 +1,48 @@
+"""Configs: validation, profiles, and the same field names on the command line and in MLflow params."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.cli import parse_config
+from tasks.config import MergeConfig, OPDConfig, WorldConfig, flatten, pipeline_config
+from tasks.tracking import config_params
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: OPDConfig(lr=0), "greater than 0"),
+        (lambda: OPDConfig(batch_size=0), "greater than or equal to 1"),
+        (lambda: OPDConfig(sample_temperature=-1), "greater than 0"),
+        (lambda: WorldConfig(routes=["add-medium"]), "unknown budget"),
+        (lambda: WorldConfig(routes=["mul-low"]), "unknown domain"),
+        (lambda: WorldConfig(routes=[]), "at least one route"),
+        (lambda: WorldConfig(min_len={"add": 5, "rev": 3, "sort": 3}, max_len={"add": 2, "rev": 8, "sort": 8}), "min_len"),
+        (lambda: MergeConfig(unknown_field=1), "Extra inputs"),
+    ],
+)
+def test_out_of_range_values_are_refused(make, match):
+    with pytest.raises(ValidationError, match=match):
+        make()
+
+
+def test_quick_profile_is_smaller_and_valid():
+    quick, default = pipeline_config("quick"), pipeline_config("default")
+    assert quick.profile == "quick" and len(quick.world.routes) < len(default.world.routes)
+    assert quick.opd.steps < default.opd.steps
+    assert len(default.world.routes) >= 6
+
+
+def test_cli_flags_are_the_dotted_field_names_and_mlflow_params_match():
+    cfg = parse_config(["--profile", "quick", "--opd.steps", "7", "--world.routes", "add-low,rev-high"],
+                       pipeline_config, "t", with_profile=True)
+    assert cfg.opd.steps == 7 and cfg.world.routes == ["add-low", "rev-high"] and cfg.profile == "quick"
+    assert cfg.model.hidden_size == pipeline_config("quick").model.hidden_size
+    params = config_params(cfg)
+    assert params["opd.steps"] == "7"
+    assert json.loads(params["world.routes"]) == ["add-low", "rev-high"]
+    assert set(params) == set(flatten(cfg))
+    with pytest.raises(SystemExit, match="opd.lr"):
+        parse_config(["--opd.lr", "-1"], pipeline_config, "t", with_profile=True)
