@@ -11,18 +11,19 @@ import sys
 from datetime import datetime
 
 from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_table_artifact
 
 from tasks.log import say
 from tasks.config import MergeConfig, pipeline_config
 from tasks.merge import run_merge, start_merge_run
 from tasks.pretrain import build_world_task, latest_base
-from tasks.tracking import format_retention_table, tracking_uri
+from tasks.tracking import end_run, format_retention_table, tracking_uri
 from teachers.registry import TeacherRegistry
 from teachers.router import Router
 
 
-@task(name="route-teachers")
+@task(name="route-teachers", cache_policy=NO_CACHE)
 def route_teachers(cfg: MergeConfig, world_path: str) -> Router:
     """Map every route of the prompt set to a registered teacher and print the coverage report (or fail naming the
     routes that have teachers)."""
@@ -48,7 +49,11 @@ def merge(cfg: MergeConfig = MergeConfig()) -> dict:
     run_name = f"merge-{len(router.teachers())}teachers-rkl-{datetime.now():%Y%m%d-%H%M%S}"
     run_id = start_merge_run(cfg, router, run_name)
     say(f"MLflow run {run_id} ({run_name}) at {tracking_uri()}")
-    result = run_merge(cfg, world_path, router, run_id)
+    try:
+        result = run_merge(cfg, world_path, router, run_id)
+    except BaseException:
+        end_run(run_id, status="FAILED")  # a crashed merge must not look like a run still in progress
+        raise
     table = format_retention_table(result["rows"])
     mean = sum(r["retention"] for r in result["rows"]) / len(result["rows"])
     say(f"retention per route (mean {mean:.3f}):\n{table}")

@@ -18,7 +18,7 @@ from flows.merge import merge
 from flows.specialists import train_specialists
 from tasks.log import say
 from tasks.config import PipelineConfig, pipeline_config
-from tasks.tracking import tracking_uri
+from tasks.tracking import format_retention_table, tracking_uri
 
 
 @flow(name="pipeline")
@@ -32,8 +32,10 @@ def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     say(f"[3/3] merge {len(teachers)} teachers into one student by on-policy distillation")
     result = merge(cfg.merge(base["uri"], teachers))
     minutes = (time.perf_counter() - t0) / 60
-    say(f"pipeline done in {minutes:.1f} min. MLflow run {result['run_id']} in {tracking_uri()}\n"
-          f"  open it: mlflow ui --backend-store-uri {tracking_uri()}  (see README, 'Looking at runs')")
+    say(f"pipeline done in {minutes:.1f} min; mean retention {result['mean_retention']:.3f}\n"
+        f"{format_retention_table(result['rows'])}\n"
+        f"MLflow run {result['run_id']} (experiment {cfg.experiment}) in {tracking_uri()}\n"
+        f"  look at it: make ui-mlflow  (http://127.0.0.1:5000)")
     return {"base_uri": base["uri"], "teachers": teachers, **result, "minutes": minutes}
 
 

@@ -34,11 +34,11 @@ class WorldConfig(_Config):
     train_size: int = Field(3000, ge=1, le=1_000_000, description="Training prompts per route.")
     eval_size: int = Field(200, ge=1, le=100_000, description="Held-out evaluation prompts per route.")
     min_len: dict[str, int] = Field(
-        default_factory=lambda: {"add": 2, "rev": 3, "sort": 3},
+        default_factory=lambda: {"add": 2, "rev": 2, "sort": 3},
         description="Shortest problem per domain (single-digit terms for add, characters for rev/sort).",
     )
     max_len: dict[str, int] = Field(
-        default_factory=lambda: {"add": 5, "rev": 8, "sort": 8},
+        default_factory=lambda: {"add": 4, "rev": 6, "sort": 10},
         description="Longest problem per domain.",
     )
     prompt_files: dict[str, str] = Field(
@@ -104,10 +104,10 @@ class TrainConfig(_Config):
 class OPDConfig(_Config):
     """On-policy distillation: student samples, routed teachers score, per-token reverse KL."""
 
-    steps: int = Field(300, ge=1, le=1_000_000, description="Optimizer steps of the merge.")
+    steps: int = Field(1000, ge=1, le=1_000_000, description="Optimizer steps of the merge.")
     batch_size: int = Field(64, ge=1, le=4096, description="Prompts per step, mixed uniformly over routes.")
-    lr: float = Field(1e-3, gt=0, le=1.0, description="AdamW peak learning rate of the student (warmup, cosine decay).")
-    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    lr: float = Field(5e-4, gt=0, le=1.0, description="AdamW peak learning rate of the student (warmup, cosine decay).")
+    warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
     sample_temperature: float = Field(1.0, gt=0, le=10.0, description="Student sampling temperature for rollouts.")
     max_new_tokens: int | None = Field(
         None, ge=1, le=4096, description="Rollout length cap; default: longest gold completion + 2 tokens."
@@ -131,9 +131,9 @@ class SpecialistsConfig(_Config):
 
     world: WorldConfig = Field(default_factory=WorldConfig)
     base_uri: str = Field("", description="Base checkpoint (local path or hub id); empty = the pipeline's base.")
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=600, lr=3e-3))
     min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
-    workers: int = Field(1, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
+    workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
     name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names: <prefix>-<route>.")
 
 
@@ -158,7 +158,7 @@ class PipelineConfig(_Config):
     base_train: TrainConfig = Field(default_factory=lambda: PretrainConfig().train)
     specialist_train: TrainConfig = Field(default_factory=lambda: SpecialistsConfig().train)
     min_accuracy: float = Field(0.9, ge=0, le=1, description="Specialists below this eval accuracy fail the flow.")
-    workers: int = Field(1, ge=1, le=64, description="Specialists trained at once.")
+    workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
     opd: OPDConfig = Field(default_factory=OPDConfig)
     experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
 
@@ -183,13 +183,13 @@ QUICK_OVERRIDES: dict[str, Any] = {
         "routes": ["add-low", "rev-high", "sort-low"],
         "train_size": 1500,
         "eval_size": 100,
-        "min_len": {"add": 2, "rev": 3, "sort": 3},
-        "max_len": {"add": 4, "rev": 5, "sort": 6},
+        "min_len": {"add": 2, "rev": 2, "sort": 3},
+        "max_len": {"add": 4, "rev": 4, "sort": 6},
     },
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256},
     "base_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
     "specialist_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
-    "opd": {"steps": 80, "eval_every": 40, "batch_size": 48, "lr": 2e-3},
+    "opd": {"steps": 500, "eval_every": 100, "batch_size": 48, "lr": 5e-4, "warmup_steps": 30},
 }
 
 

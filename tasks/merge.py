@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from tasks.log import say
@@ -50,7 +51,7 @@ def _load_teacher(rec: TeacherRecord, student_fp: str) -> torch.nn.Module:
     return model.eval()
 
 
-@task(name="distill")
+@task(name="distill", cache_policy=NO_CACHE)
 def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) -> dict:
     """OPD from ``cfg.student_uri`` with ``router``'s teachers; logs per-route metrics to MLflow run ``run_id``.
 
@@ -76,7 +77,8 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
     def evaluate(model) -> dict[str, RouteScore]:
         return {r: evaluate_route(model, tok, r, *eval_by_route[r], cap) for r in routes}
 
-    say(f"evaluating {len(teachers)} teachers and the initial student on {sum(len(v[0]) for v in eval_by_route.values())} held-out prompts")
+    n_eval = sum(len(v[0]) for v in eval_by_route.values())
+    say(f"evaluating {len(teachers)} teachers and the initial student on {n_eval} held-out prompts")
     teacher_scores = {r: evaluate_route(teachers[teacher_of[r]], tok, r, *eval_by_route[r], cap) for r in routes}
     teacher_acc = {r: s.accuracy for r, s in teacher_scores.items()}
     base_scores = evaluate(student)
@@ -91,8 +93,8 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
     for step in bar:
         batch_routes = [routes[rng.randrange(len(routes))] for _ in range(opd.batch_size)]
         batch_prompts = [train_by_route[r][rng.randrange(len(train_by_route[r]))] for r in batch_routes]
-        st = opd_step(student, teachers, tok, batch_prompts, batch_routes, router.group(batch_routes), optimizer, scheduler, cap,
-                      opd.sample_temperature, opd.chunk_size, opd.grad_clip)
+        st = opd_step(student, teachers, tok, batch_prompts, batch_routes, router.group(batch_routes), optimizer,
+                      scheduler, cap, opd.sample_temperature, opd.chunk_size, opd.grad_clip)
         for r in st.kl_sum:
             w = window.setdefault(r, {"kl": 0.0, "tok": 0.0, "seq": 0.0, "trunc": 0.0})
             w["kl"] += st.kl_sum[r]
@@ -109,7 +111,7 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
             window = {}
             step_metrics.update(route_metrics(scores, teacher_acc))
             say(f"step {step}: mean retention {step_metrics['retention/mean']:.3f}, "
-                      + ", ".join(f"{r} {step_metrics[f'retention/{r}']:.2f}" for r in routes))
+                + ", ".join(f"{r} {step_metrics[f'retention/{r}']:.2f}" for r in routes))
         log_metrics(run_id, step_metrics, step)
         bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
 
@@ -120,8 +122,8 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
         for r in routes
     ]
     out = save_model(student, tok, models_dir() / "merged" / run_id)
-    log_retention(run_id, rows, out)
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
+    log_retention(run_id, rows, out)
     end_run(run_id, {"merged_student_uri": str(out)})
     return {"run_id": run_id, "student_uri": str(out), "rows": rows}
 

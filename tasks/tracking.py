@@ -54,11 +54,11 @@ def start_run(experiment: str, run_name: str, params: dict[str, Any], tags: dict
     return run_id
 
 
-def end_run(run_id: str, tags: dict[str, str] | None = None) -> None:
+def end_run(run_id: str, tags: dict[str, str] | None = None, status: str = "FINISHED") -> None:
     client = MlflowClient(tracking_uri())
     for k, v in (tags or {}).items():
         client.set_tag(run_id, k, v)
-    client.set_terminated(run_id)
+    client.set_terminated(run_id, status=status)
 
 
 def log_params(run_id: str, params: dict[str, Any]) -> None:
