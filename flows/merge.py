@@ -1,7 +1,7 @@
 """Flow `merge`: on-policy distillation of the routed specialist teachers into one student, per-route retention in
 MLflow.
 
-Run:  python -m flows.merge [--profile quick] [--student_uri PATH] [--teachers '["spec-add-low", ...]']
+Run:  python -m flows.merge [--profile quick] [--student_uri PATH] [--teachers '["spec-shift-low", ...]']
                             [--opd.steps 300] [--opd.batch_size 64] [--experiment opd-merge] ...
 """
 

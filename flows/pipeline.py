@@ -3,7 +3,7 @@ merge them into one student by on-policy distillation, and print the per-route r
 
 Run:  python -m flows.pipeline                 # default profile: 6 routes, <= 20 min on 2 CPU cores
       python -m flows.pipeline --profile quick # 3 routes, same code path, ~2 min
-      python -m flows.pipeline --opd.steps 400 --world.routes add-low,add-high ...  (any config field)
+      python -m flows.pipeline --opd.steps 400 --world.routes shift-low,shift-high ...  (any config field)
 """
 
 from __future__ import annotations

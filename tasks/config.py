@@ -27,18 +27,18 @@ class WorldConfig(_Config):
     """The built-in world: which routes exist and how their prompt sets are generated."""
 
     routes: list[str] = Field(
-        default_factory=lambda: ["add-low", "add-high", "rev-low", "rev-high", "sort-low", "sort-high"],
-        description="Routes to build, each '<domain>-<budget>' with domain in add/rev/sort and budget low/high.",
+        default_factory=lambda: ["shift-low", "shift-high", "rev-low", "rev-high", "sort-low", "sort-high"],
+        description="Routes to build, each '<domain>-<budget>' with domain in shift/rev/sort and budget low/high.",
     )
     seed: int = Field(0, ge=0, description="Seed of the prompt generator (the prompt sets are deterministic in it).")
     train_size: int = Field(3000, ge=1, le=1_000_000, description="Training prompts per route.")
     eval_size: int = Field(200, ge=1, le=100_000, description="Held-out evaluation prompts per route.")
     min_len: dict[str, int] = Field(
-        default_factory=lambda: {"add": 2, "rev": 2, "sort": 3},
-        description="Shortest problem per domain (single-digit terms for add, characters for rev/sort).",
+        default_factory=lambda: {"shift": 2, "rev": 2, "sort": 3},
+        description="Shortest problem per domain (letters for shift and rev, digits for sort).",
     )
     max_len: dict[str, int] = Field(
-        default_factory=lambda: {"add": 4, "rev": 6, "sort": 10},
+        default_factory=lambda: {"shift": 6, "rev": 6, "sort": 10},
         description="Longest problem per domain.",
     )
     prompt_files: dict[str, str] = Field(
@@ -104,7 +104,7 @@ class TrainConfig(_Config):
 class OPDConfig(_Config):
     """On-policy distillation: student samples, routed teachers score, per-token reverse KL."""
 
-    steps: int = Field(1000, ge=1, le=1_000_000, description="Optimizer steps of the merge.")
+    steps: int = Field(800, ge=1, le=1_000_000, description="Optimizer steps of the merge.")
     batch_size: int = Field(64, ge=1, le=4096, description="Prompts per step, mixed uniformly over routes.")
     lr: float = Field(5e-4, gt=0, le=1.0, description="AdamW peak learning rate of the student (warmup, cosine decay).")
     warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
@@ -131,7 +131,7 @@ class SpecialistsConfig(_Config):
 
     world: WorldConfig = Field(default_factory=WorldConfig)
     base_uri: str = Field("", description="Base checkpoint (local path or hub id); empty = the pipeline's base.")
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=600, lr=3e-3))
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
     min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
     name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names: <prefix>-<route>.")
@@ -180,11 +180,11 @@ class PipelineConfig(_Config):
 QUICK_OVERRIDES: dict[str, Any] = {
     "profile": "quick",
     "world": {
-        "routes": ["add-low", "rev-high", "sort-low"],
+        "routes": ["shift-low", "rev-high", "sort-low"],
         "train_size": 1500,
         "eval_size": 100,
-        "min_len": {"add": 2, "rev": 2, "sort": 3},
-        "max_len": {"add": 4, "rev": 4, "sort": 6},
+        "min_len": {"shift": 2, "rev": 2, "sort": 3},
+        "max_len": {"shift": 4, "rev": 4, "sort": 6},
     },
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256},
     "base_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},

@@ -1,7 +1,7 @@
 """Prompt sets as Hugging Face ``datasets``: generated deterministically from the world config and cached on disk.
 
 Each row: ``route, problem, prompt, completion, answer``. ``prompt`` is the full text the models see
-(``<bos><add><high>347+285=``), ``completion`` the gold text without EOS (only base pre-training and specialist
+(``<bos><sort><high>5203=``), ``completion`` the gold text without EOS (only base pre-training and specialist
 fine-tuning read it; the merge reads prompts alone).
 """
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 # Bump when a domain's generator, answer or scratchpad changes: cached prompt sets are keyed on it.
-WORLD_VERSION = 2
+WORLD_VERSION = 3
 BUDGETS: tuple[str, ...] = ("low", "high")
 ANSWER_SEP = "|"
 PROMPT_END = "="
@@ -38,10 +38,10 @@ class Route:
 
     @classmethod
     def parse(cls, text: str) -> "Route":
-        """Parse ``"add-high"``; raise ValueError naming the expected form otherwise."""
+        """Parse ``"shift-high"``; raise ValueError naming the expected form otherwise."""
         m = ROUTE_RE.match(text.strip()) if isinstance(text, str) else None
         if m is None:
-            raise ValueError(f"route {text!r} is not of the form '<domain>-<budget>' (for example 'add-high')")
+            raise ValueError(f"route {text!r} is not of the form '<domain>-<budget>' (for example 'shift-high')")
         return cls(m["domain"], m["budget"])
 
 
@@ -50,8 +50,8 @@ class Domain:
     """A verifiable task family.
 
     ``sample(rng, min_len, max_len)`` draws a problem string; ``answer(problem)`` is the gold final answer;
-    ``scratchpad(problem)`` is the working written at the ``high`` budget. ``min_len``/``max_len`` count terms
-    (add) or characters (rev, sort).
+    ``scratchpad(problem)`` is the working written at the ``high`` budget. ``min_len``/``max_len`` count the
+    letters (shift, rev) or digits (sort) of a problem.
     """
 
     name: str
@@ -62,21 +62,23 @@ class Domain:
     problem_re: re.Pattern
 
 
-def _sample_add(rng: random.Random, min_len: int, max_len: int) -> str:
-    return "+".join(str(rng.randint(0, 9)) for _ in range(rng.randint(min_len, max_len)))
+def _sample_shift(rng: random.Random, min_len: int, max_len: int) -> str:
+    key = rng.randint(1, 3)
+    return f"{key}:" + "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
 
 
-def _answer_add(problem: str) -> str:
-    return str(sum(int(x) for x in problem.split("+")))
+def _shift(letter: str, key: int) -> str:
+    return LETTERS[(LETTERS.index(letter) + key) % 26]
 
 
-def _scratch_add(problem: str) -> str:
-    """Running sums after each further term, e.g. 3+5+9+4 -> ``8,17,21``."""
-    total, sums = int(problem[0]), []
-    for term in problem.split("+")[1:]:
-        total += int(term)
-        sums.append(str(total))
-    return ",".join(sums)
+def _answer_shift(problem: str) -> str:
+    key, text = problem.split(":")
+    return "".join(_shift(c, int(key)) for c in text)
+
+
+def _scratch_shift(problem: str) -> str:
+    """The rule first, as where ``a`` goes: 2:xyz -> ``a>c``."""
+    return f"a>{_shift('a', int(problem.split(':')[0]))}"
 
 
 def _sample_letters(alphabet: str) -> Callable[[random.Random, int, int], str]:
@@ -95,13 +97,13 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
 
 DOMAINS: dict[str, Domain] = {
-    "add": Domain(
-        name="add",
-        alphabet=DIGITS + "+",
-        sample=_sample_add,
-        answer=_answer_add,
-        scratchpad=_scratch_add,
-        problem_re=re.compile(r"^\d(\+\d){0,39}$"),
+    "shift": Domain(
+        name="shift",
+        alphabet=DIGITS + LETTERS + ":",
+        sample=_sample_shift,
+        answer=_answer_shift,
+        scratchpad=_scratch_shift,
+        problem_re=re.compile(r"^[1-9]:[a-z]{1,40}$"),
     ),
     "rev": Domain(
         name="rev",
@@ -122,7 +124,7 @@ DOMAINS: dict[str, Domain] = {
 }
 
 # Every character a prompt or completion of the built-in world can contain, besides special tokens.
-CHARSET: str = "".join(sorted(set(DIGITS + LETTERS + "+=|,:x")))
+CHARSET: str = "".join(sorted(set(DIGITS + LETTERS + "=|,:x>")))
 
 
 def domain_of(route: Route) -> Domain:
@@ -150,7 +152,7 @@ def route_tags(route: Route) -> tuple[str, str]:
 
 
 def format_prompt(route: Route, problem: str, bos: str = "<bos>") -> str:
-    """``<bos><add><high>347+285=``: what the student and every teacher see before the completion."""
+    """``<bos><sort><high>5203=``: what the student and every teacher see before the completion."""
     d, b = route_tags(route)
     return f"{bos}{d}{b}{problem}{PROMPT_END}"
 

@@ -1,9 +1,9 @@
 """Command line for the teacher registry.
 
     python -m teachers list
-    python -m teachers register --name add-high-v2 --route add-high --model-uri ./ckpt [--eval-score 0.97]
-    python -m teachers show add-high-v2
-    python -m teachers remove add-high-v2
+    python -m teachers register --name shift-high-v2 --route shift-high --model-uri ./ckpt [--eval-score 0.97]
+    python -m teachers show shift-high-v2
+    python -m teachers remove shift-high-v2
     python -m teachers --registry /tmp/reg.json list      # another registry file (default: $OPD_REGISTRY or .opd/)
 
 ``register`` checks the checkpoint against the student tokenizer (``--student-tokenizer``, default
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     reg = sub.add_parser("register", help="check a checkpoint against the student tokenizer and add it")
-    reg.add_argument("--name", required=True, help="unique slug, e.g. add-high-v2")
+    reg.add_argument("--name", required=True, help="unique slug, e.g. shift-high-v2")
     reg.add_argument("--route", required=True, help="route served, <domain>-<budget>")
     reg.add_argument("--model-uri", required=True, help="checkpoint folder or hub id (HF config + tokenizer)")
     reg.add_argument("--student-tokenizer", default=None, help="path or hub id (default: <state dir>/world/tokenizer)")

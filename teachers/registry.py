@@ -7,8 +7,8 @@ file is an empty registry. Several processes may register at once: every read-mo
 
     from teachers.registry import TeacherRegistry
     reg = TeacherRegistry()
-    reg.register_checkpoint("add-high-v1", "add-high", ".opd/models/add-high", ".opd/world/tokenizer")
-    reg.for_route("add-high")
+    reg.register_checkpoint("shift-high-v1", "shift-high", ".opd/models/specialists/shift-high-...", ".opd/world/tokenizer")
+    reg.for_route("shift-high")
 
 From a shell, ``python -m teachers --help`` (see :mod:`teachers.cli`).
 """
@@ -61,7 +61,7 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise ValueError(
             f"teacher name {name!r} is not a slug: use 1-64 characters from a-z 0-9 . _ -, "
-            "starting with a letter or digit (for example 'add-high-v2')"
+            "starting with a letter or digit (for example 'shift-high-v2')"
         )
     return name
 
@@ -89,7 +89,7 @@ class TeacherRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(description="unique slug, e.g. 'add-high-v2'")
+    name: str = Field(description="unique slug, e.g. 'shift-high-v2'")
     route: str = Field(description="route served, '<domain>-<budget>'")
     model_uri: str = Field(min_length=1, description="local checkpoint path or hub id")
     tokenizer_fingerprint: str = Field(min_length=1, description="tokenizer_fingerprint() of its tokenizer")
@@ -113,7 +113,7 @@ class TeacherRecord(BaseModel):
 
 
 def route_name(route: Route | str) -> str:
-    """``"add-high"`` from a Route or a string (checked: ValueError on a malformed one)."""
+    """``"shift-high"`` from a Route or a string (checked: ValueError on a malformed one)."""
     return route.name if isinstance(route, Route) else Route.parse(route).name
 
 

@@ -2,9 +2,9 @@
 
     from teachers.registry import TeacherRegistry
     from teachers.router import Router
-    router = Router.from_registry(TeacherRegistry(), ["add-high", "rev-low"])   # newest teacher per route
-    router.group(["add-high", "rev-low", "add-high"])                         # {"add-high-v1": [0, 2], ...}
-    print(router.format_coverage({"add-high": 512, "rev-low": 512}))
+    router = Router.from_registry(TeacherRegistry(), ["shift-high", "rev-low"])   # newest teacher per route
+    router.group(["shift-high", "rev-low", "shift-high"])                         # {"shift-high-v1": [0, 2], ...}
+    print(router.format_coverage({"shift-high": 512, "rev-low": 512}))
 """
 
 from __future__ import annotations

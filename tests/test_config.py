@@ -16,10 +16,10 @@ from tasks.tracking import config_params
         (lambda: OPDConfig(lr=0), "greater than 0"),
         (lambda: OPDConfig(batch_size=0), "greater than or equal to 1"),
         (lambda: OPDConfig(sample_temperature=-1), "greater than 0"),
-        (lambda: WorldConfig(routes=["add-medium"]), "unknown budget"),
+        (lambda: WorldConfig(routes=["shift-medium"]), "unknown budget"),
         (lambda: WorldConfig(routes=["mul-low"]), "unknown domain"),
         (lambda: WorldConfig(routes=[]), "at least one route"),
-        (lambda: WorldConfig(min_len={"add": 5, "rev": 3, "sort": 3}, max_len={"add": 2, "rev": 8, "sort": 8}), "min_len"),
+        (lambda: WorldConfig(min_len={"shift": 5, "rev": 3, "sort": 3}, max_len={"shift": 2, "rev": 8, "sort": 8}), "min_len"),
         (lambda: MergeConfig(unknown_field=1), "Extra inputs"),
     ],
 )
@@ -36,13 +36,13 @@ def test_quick_profile_is_smaller_and_valid():
 
 
 def test_cli_flags_are_the_dotted_field_names_and_mlflow_params_match():
-    cfg = parse_config(["--profile", "quick", "--opd.steps", "7", "--world.routes", "add-low,rev-high"],
+    cfg = parse_config(["--profile", "quick", "--opd.steps", "7", "--world.routes", "shift-low,rev-high"],
                        pipeline_config, "t", with_profile=True)
-    assert cfg.opd.steps == 7 and cfg.world.routes == ["add-low", "rev-high"] and cfg.profile == "quick"
+    assert cfg.opd.steps == 7 and cfg.world.routes == ["shift-low", "rev-high"] and cfg.profile == "quick"
     assert cfg.model.hidden_size == pipeline_config("quick").model.hidden_size
     params = config_params(cfg)
     assert params["opd.steps"] == "7"
-    assert json.loads(params["world.routes"]) == ["add-low", "rev-high"]
+    assert json.loads(params["world.routes"]) == ["shift-low", "rev-high"]
     assert set(params) == set(flatten(cfg))
     with pytest.raises(SystemExit, match="opd.lr"):
         parse_config(["--opd.lr", "-1"], pipeline_config, "t", with_profile=True)

@@ -34,7 +34,7 @@ def make_checkpoint(out: Path, tok: PreTrainedTokenizerBase) -> Path:
     return save_model(model, tok, out)
 
 
-def make_record(name: str, route: str = "add-high", **kw) -> TeacherRecord:
+def make_record(name: str, route: str = "shift-high", **kw) -> TeacherRecord:
     return TeacherRecord(
         name=name,
         route=route,
@@ -59,37 +59,37 @@ def tok() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, tok) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "add-high", tok)
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "shift-high", tok)
 
 
 def test_round_trip_add_reload_remove(tmp_path):
     path = tmp_path / "reg" / "registry.json"
     reg = TeacherRegistry(path)
     assert reg.list() == []  # missing file is an empty registry
-    records = [make_record("sort-low-a", "sort-low", eval_score=0.5), make_record("add-high-b"),
-               make_record("add-high-a")]
+    records = [make_record("sort-low-a", "sort-low", eval_score=0.5), make_record("shift-high-b"),
+               make_record("shift-high-a")]
     for r in records:
         reg.add(r)
 
     fresh = TeacherRegistry(path)
-    assert [r.name for r in fresh.list()] == ["add-high-a", "add-high-b", "sort-low-a"]
+    assert [r.name for r in fresh.list()] == ["shift-high-a", "shift-high-b", "sort-low-a"]
     assert fresh.list() == sorted(records, key=lambda r: r.name)
     assert fresh.get("sort-low-a") == records[0]
     assert fresh.get("sort-low-a").provenance.created_at == records[0].provenance.created_at
-    assert [r.name for r in fresh.for_route(Route("add", "high"))] == ["add-high-a", "add-high-b"]
+    assert [r.name for r in fresh.for_route(Route("shift", "high"))] == ["shift-high-a", "shift-high-b"]
     assert fresh.for_route("rev-low") == []
-    assert fresh.get("add-high-a").route_obj == Route("add", "high")
+    assert fresh.get("shift-high-a").route_obj == Route("shift", "high")
 
     doc = json.loads(path.read_text())
     assert doc["version"] == 1
-    assert [t["name"] for t in doc["teachers"]] == ["add-high-a", "add-high-b", "sort-low-a"]
+    assert [t["name"] for t in doc["teachers"]] == ["shift-high-a", "shift-high-b", "sort-low-a"]
 
-    assert fresh.remove("add-high-b") == records[1]
-    assert TeacherRegistry(path).names() == ["add-high-a", "sort-low-a"]
-    with pytest.raises(TeacherNotFound, match=r"available: \['add-high-a', 'sort-low-a'\]"):
-        fresh.get("add-high-b")
+    assert fresh.remove("shift-high-b") == records[1]
+    assert TeacherRegistry(path).names() == ["shift-high-a", "sort-low-a"]
+    with pytest.raises(TeacherNotFound, match=r"available: \['shift-high-a', 'sort-low-a'\]"):
+        fresh.get("shift-high-b")
     with pytest.raises(KeyError):
-        fresh.remove("add-high-b")
+        fresh.remove("shift-high-b")
 
 
 def test_duplicate_name_refused_unless_replace(tmp_path):
@@ -117,18 +117,18 @@ def test_record_validation():
 
 def test_register_checkpoint_fills_fingerprint(tmp_path, tok, ckpt):
     reg = TeacherRegistry(tmp_path / "r.json")
-    rec = reg.register_checkpoint("add-high-v1", "add-high", ckpt, tok, eval_score=0.75,
+    rec = reg.register_checkpoint("shift-high-v1", "shift-high", ckpt, tok, eval_score=0.75,
                                   provenance=Provenance(source="test", base="base-uri"))
     assert rec.tokenizer_fingerprint == tokenizer_fingerprint(tok)
     assert rec.model_uri == str(ckpt.resolve())
-    assert (rec.route, rec.eval_score, rec.provenance.base) == ("add-high", 0.75, "base-uri")
-    assert TeacherRegistry(tmp_path / "r.json").get("add-high-v1") == rec
+    assert (rec.route, rec.eval_score, rec.provenance.base) == ("shift-high", 0.75, "base-uri")
+    assert TeacherRegistry(tmp_path / "r.json").get("shift-high-v1") == rec
 
     # The reference tokenizer may be a path as well as an object.
     ref_dir = save_tokenizer(tok, tmp_path / "student-tok")
-    rec2 = reg.register_checkpoint("add-high-v2", Route("add", "high"), str(ckpt), ref_dir)
+    rec2 = reg.register_checkpoint("shift-high-v2", Route("shift", "high"), str(ckpt), ref_dir)
     assert rec2.tokenizer_fingerprint == rec.tokenizer_fingerprint
-    assert reg.names() == ["add-high-v1", "add-high-v2"]
+    assert reg.names() == ["shift-high-v1", "shift-high-v2"]
 
 
 def test_register_checkpoint_the_project_did_not_train(tmp_path, tok):
@@ -159,7 +159,7 @@ def test_incompatible_tokenizer_refused_and_file_unchanged(tmp_path, tok):
     before = path.read_bytes()
 
     with pytest.raises(IncompatibleTeacher) as info:
-        reg.register_checkpoint("bad-teacher", "add-high", bad_ckpt, tok)
+        reg.register_checkpoint("bad-teacher", "shift-high", bad_ckpt, tok)
     msg = str(info.value)
     assert "'bad-teacher'" in msg and str(bad_ckpt.resolve()) in msg
     assert "vocabularies differ" in msg and "eos_token differs" in msg

@@ -9,7 +9,7 @@ from tasks.models import create_model
 from tasks.rollout import decode_responses, forward_hidden, generate, position_ids_from_mask, response_mask
 from tasks.tokenizer import build_char_tokenizer
 
-PROMPTS = ["<bos><add><low>1+2=", "<bos><rev><high>abcdefgh=", "<bos><sort><low>5203="]
+PROMPTS = ["<bos><shift><low>1:ab=", "<bos><rev><high>abcdefgh=", "<bos><sort><low>5203="]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok):
     torch.manual_seed(0)
     student, teacher = tiny(tok, 1), tiny(tok, 2).requires_grad_(False).eval()
     teacher_params = [p.clone() for p in teacher.parameters()]
-    prompts, routes = PROMPTS * 8, ["add-low", "rev-high", "sort-low"] * 8
+    prompts, routes = PROMPTS * 8, ["shift-low", "rev-high", "sort-low"] * 8
     groups = {"t": list(range(len(prompts)))}
     opt = torch.optim.AdamW(student.parameters(), lr=3e-3)
 
@@ -87,6 +87,6 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok):
         stats = opd_step(student, {"t": teacher}, tok, prompts, routes, groups, opt, None, max_new_tokens=6)
     after = measured_kl()
     assert after < 0.5 * before, (before, after)
-    assert set(stats.kl_sum) == {"add-low", "rev-high", "sort-low"}
+    assert set(stats.kl_sum) == {"shift-low", "rev-high", "sort-low"}
     assert stats.tokens == int(sum(stats.kl_tokens.values()))
     assert all(torch.equal(a, b) for a, b in zip(teacher_params, teacher.parameters()))  # teacher untouched

@@ -13,20 +13,20 @@ from tasks.world import Route, all_routes, check_route, extract_answer, format_p
 def test_routes_cover_three_domains_at_two_budgets():
     routes = all_routes()
     assert len(routes) == 6
-    assert {r.domain for r in routes} == {"add", "rev", "sort"}
+    assert {r.domain for r in routes} == {"shift", "rev", "sort"}
     assert {r.budget for r in routes} == {"low", "high"}
-    assert Route.parse("add-high") == Route("add", "high")
+    assert Route.parse("shift-high") == Route("shift", "high")
     with pytest.raises(ValueError, match="domain>-<budget"):
         Route.parse("addhigh")
     with pytest.raises(ValueError, match="unknown budget 'medium'"):
-        check_route(Route("add", "medium"))
+        check_route(Route("shift", "medium"))
 
 
 @pytest.mark.parametrize(
     "route,problem,right,wrong",
     [
-        ("add-low", "3+5+9+4", "21", "22"),
-        ("add-high", "3+5+9+4", "8,17,21|21", "8,17,21|12"),
+        ("shift-low", "2:abzy", "cdba", "cdbb"),
+        ("shift-high", "2:abza", "a>c|cdbc", "a>c|abza"),
         ("rev-low", "abcde", "edcba", "abcde"),
         ("rev-high", "abcde", "5|edcba", "5|edcbb"),
         ("sort-low", "5203", "0235", "0253"),
@@ -41,10 +41,10 @@ def test_verifier_right_and_wrong(route, problem, right, wrong):
 
 
 def test_verifier_ignores_the_scratchpad():
-    r = Route.parse("add-high")
-    assert verify(r, "3+5+9+4", "9,9,nonsense|21")  # wrong working, right answer: correct
-    assert not verify(r, "3+5+9+4", "8,17,21|")  # right working, no answer: wrong
-    assert not verify(r, "3+5+9+4", "21|")  # the answer must come after the last separator
+    r = Route.parse("shift-high")
+    assert verify(r, "2:abza", "a>x,nonsense|cdbc")  # wrong working, right answer: correct
+    assert not verify(r, "2:abza", "a>c|")  # right working, no answer: wrong
+    assert not verify(r, "2:abza", "cdbc|")  # the answer must come after the last separator
     assert extract_answer("a|b|c ") == "c"
 
 
@@ -54,9 +54,9 @@ def test_prompt_format_carries_the_route_tags():
 
 def test_tokenizer_round_trip(tmp_path):
     tok = build_char_tokenizer()
-    text = "<bos><add><high>3+5+9+4=8,17,21|21<eos>"
+    text = "<bos><shift><high>2:abza=a>c|cdbc<eos>"
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == 4 + len("3+5+9+4=8,17,21|21")  # 3 tags + bos + one token per character
+    assert len(ids) == 4 + len("2:abza=a>c|cdbc")  # 3 tags + bos + one token per character
     assert tok.decode(ids) == text
     save_tokenizer(tok, tmp_path / "tok")
     again = load_tokenizer(tmp_path / "tok")
@@ -66,7 +66,7 @@ def test_tokenizer_round_trip(tmp_path):
 
 
 def test_world_is_deterministic_cached_and_eval_disjoint(tmp_path):
-    cfg = WorldConfig(routes=["add-low", "rev-high"], train_size=300, eval_size=50)
+    cfg = WorldConfig(routes=["shift-low", "rev-high"], train_size=300, eval_size=50)
     path = build_world(cfg, root=tmp_path)
     ds = load_prompts(path)
     assert len(ds["train"]) == 600 and len(ds["eval"]) == 100
@@ -83,15 +83,15 @@ def test_world_is_deterministic_cached_and_eval_disjoint(tmp_path):
 
 def test_user_prompt_file_replaces_generated_prompts(tmp_path):
     f = tmp_path / "mine.jsonl"
-    mine = ["1+2", "5+6+7", "7+0+8", "9+9", "1+1+1+1"]
+    mine = ["1:ab", "2:xyz", "3:hello", "1:zz", "2:q"]
     f.write_text("".join(json.dumps({"problem": p}) + "\n" for p in mine))
-    cfg = WorldConfig(routes=["add-low"], prompt_files={"add-low": str(f)}, eval_size=1)
-    train, ev = route_splits(cfg, Route.parse("add-low"))
+    cfg = WorldConfig(routes=["shift-low"], prompt_files={"shift-low": str(f)}, eval_size=1)
+    train, ev = route_splits(cfg, Route.parse("shift-low"))
     assert sorted(train + ev) == sorted(mine)
     assert len(ev) == 1
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"problem": "1+2"}\n{"problem": "hello"}\n')
-    with pytest.raises(ValueError, match=r"row 2: problem 'hello' is not a valid 'add' problem"):
-        load_prompt_file(bad, Route.parse("add-low"))
+    bad.write_text('{"problem": "1:ab"}\n{"problem": "hello"}\n')
+    with pytest.raises(ValueError, match=r"row 2: problem 'hello' is not a valid 'shift' problem"):
+        load_prompt_file(bad, Route.parse("shift-low"))
     with pytest.raises(ValueError, match="not in routes"):
-        WorldConfig(routes=["add-low"], prompt_files={"rev-low": str(f)})
+        WorldConfig(routes=["shift-low"], prompt_files={"rev-low": str(f)})
