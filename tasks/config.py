@@ -180,7 +180,7 @@ class PipelineConfig(_Config):
 QUICK_OVERRIDES: dict[str, Any] = {
     "profile": "quick",
     "world": {
-        "routes": ["shift-low", "rev-high", "sort-low"],
+        "routes": ["rev-low", "rev-high", "sort-low"],
         "train_size": 1500,
         "eval_size": 100,
         "min_len": {"shift": 2, "rev": 2, "sort": 3},
