@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
-from pathlib import Path
 
 import torch
 from prefect import task

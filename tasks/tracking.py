@@ -91,10 +91,10 @@ def retention_figure(rows: list[dict[str, Any]], title: str):
         ax.annotate(f"{r['retention']:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
                     va="bottom", fontsize=8)
     ax.set_xticks(list(x), routes, rotation=20)
-    ax.set_ylim(0, 1.15)
+    ax.set_ylim(0, 1.3)
     ax.set_ylabel("accuracy (retention above student bars)")
     ax.set_title(title)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 
