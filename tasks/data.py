@@ -109,6 +109,11 @@ def max_new_tokens_for(tok, completions: list[str], margin: int = 2) -> int:
     return max(len(ids) for ids in tok(list(completions), add_special_tokens=False)["input_ids"]) + margin
 
 
+def eval_sets(world_path: str | Path, split: str = "eval") -> dict[str, tuple[list[str], list[str]]]:
+    """route -> (prompts, problems) of a split: what evaluation and retention are measured on."""
+    return {r: (d["prompt"], d["problem"]) for r, d in rows_by_route(load_prompts(world_path)[split]).items()}
+
+
 def rows_by_route(ds: Dataset) -> dict[str, Dataset]:
     """Split a prompt set per route (routes in first-seen order)."""
     routes = list(dict.fromkeys(ds["route"]))

@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 
 from tasks.log import say
 from tasks.config import MergeConfig
-from tasks.data import load_prompts, max_new_tokens_for, rows_by_route
+from tasks.data import eval_sets, load_prompts, max_new_tokens_for, rows_by_route
 from tasks.distill import opd_step
-from tasks.evaluate import RouteScore, evaluate_route, retention
+from tasks.evaluate import RouteScore, evaluate_route, evaluate_routes, retention
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -68,12 +68,12 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
 
     prompts = load_prompts(world_path)
     train_by_route = {r: d["prompt"] for r, d in rows_by_route(prompts["train"]).items()}
-    eval_by_route = {r: (d["prompt"], d["problem"]) for r, d in rows_by_route(prompts["eval"]).items()}
+    eval_by_route = eval_sets(world_path)
     routes = cfg.world.routes
     cap = opd.max_new_tokens or max_new_tokens_for(tok, prompts["train"]["completion"])
 
     def evaluate(model) -> dict[str, RouteScore]:
-        return {r: evaluate_route(model, tok, r, *eval_by_route[r], cap) for r in routes}
+        return evaluate_routes(model, tok, {r: eval_by_route[r] for r in routes}, cap)
 
     n_eval = sum(len(v[0]) for v in eval_by_route.values())
     say(f"evaluating {len(teachers)} teachers and the initial student on {n_eval} held-out prompts")

@@ -8,7 +8,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.config import PretrainConfig
-from tasks.data import build_world, load_prompts, max_new_tokens_for, rows_by_route
+from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for
 from tasks.evaluate import evaluate_routes
 from tasks.models import create_model, save_model
 from tasks.paths import models_dir
@@ -21,11 +21,6 @@ from tasks.tracking import config_params, end_run, log_metrics, start_run
 def build_world_task(cfg) -> str:
     """Tokenizer and prompt sets on disk; returns the world folder."""
     return str(build_world(cfg))
-
-
-def eval_sets(world_path: str | Path, split: str = "eval") -> dict[str, tuple[list[str], list[str]]]:
-    """route -> (prompts, problems) of a split."""
-    return {r: (d["prompt"], d["problem"]) for r, d in rows_by_route(load_prompts(world_path)[split]).items()}
 
 
 @task(name="pretrain-base", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
