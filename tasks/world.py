@@ -55,7 +55,6 @@ class Domain:
     """
 
     name: str
-    alphabet: str
     sample: Callable[[random.Random, int, int], str]
     answer: Callable[[str], str]
     scratchpad: Callable[[str], str]
@@ -64,7 +63,7 @@ class Domain:
 
 def _sample_shift(rng: random.Random, min_len: int, max_len: int) -> str:
     key = rng.randint(1, 3)
-    return f"{key}:" + "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
+    return f"{key}:" + _sample_letters(LETTERS)(rng, min_len, max_len)
 
 
 def _shift(letter: str, key: int) -> str:
@@ -99,7 +98,6 @@ DIGITS = "0123456789"
 DOMAINS: dict[str, Domain] = {
     "shift": Domain(
         name="shift",
-        alphabet=DIGITS + LETTERS + ":",
         sample=_sample_shift,
         answer=_answer_shift,
         scratchpad=_scratch_shift,
@@ -107,7 +105,6 @@ DOMAINS: dict[str, Domain] = {
     ),
     "rev": Domain(
         name="rev",
-        alphabet=LETTERS,
         sample=_sample_letters(LETTERS),
         answer=lambda p: p[::-1],
         scratchpad=lambda p: str(len(p)),
@@ -115,7 +112,6 @@ DOMAINS: dict[str, Domain] = {
     ),
     "sort": Domain(
         name="sort",
-        alphabet=DIGITS,
         sample=_sample_letters(DIGITS),
         answer=lambda p: "".join(sorted(p)),
         scratchpad=_scratch_sort,
