@@ -46,7 +46,7 @@ def merge(cfg: MergeConfig = MergeConfig()) -> dict:
         cfg = cfg.model_copy(update={"student_uri": latest_base()})
     world_path = build_world_task(cfg.world)
     router = route_teachers(cfg, world_path)
-    run_name = f"merge-{len(router.teachers())}teachers-rkl-{datetime.now():%Y%m%d-%H%M%S}"
+    run_name = f"merge-{len(router.teachers())}teachers-{cfg.label or cfg.opd.loss}-{datetime.now():%Y%m%d-%H%M%S}"
     run_id = start_merge_run(cfg, router, run_name)
     say(f"MLflow run {run_id} ({run_name}) at {tracking_uri()}")
     try:

@@ -11,7 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.world import DOMAINS, Route, check_route
+from tasks.losses import Correction, LossName, Objective, TopKSource, TopKSupport
+from tasks.world import BUDGETS, DOMAINS, Route, check_route, check_template
+
+OffPolicySourceName = Literal["teacher", "dataset"]
 
 Profile = Literal["quick", "default"]
 
@@ -45,6 +48,10 @@ class WorldConfig(_Config):
         default_factory=dict,
         description="Optional route -> JSONL or parquet file with a 'problem' column, used instead of generated prompts.",
     )
+    budget_templates: dict[str, str] = Field(
+        default_factory=dict,
+        description="Optional budget -> prompt template with {bos} {domain} {budget} {problem}, ending in '='.",
+    )
 
     @field_validator("routes")
     @classmethod
@@ -68,6 +75,10 @@ class WorldConfig(_Config):
         for r in self.prompt_files:
             if r not in self.routes:
                 raise ValueError(f"prompt_files names route {r!r}, which is not in routes {self.routes}")
+        for budget, template in self.budget_templates.items():
+            if budget not in BUDGETS:
+                raise ValueError(f"budget_templates names budget {budget!r}; known: {list(BUDGETS)}")
+            check_template(template)
         return self
 
     def route_objs(self) -> list[Route]:
@@ -102,13 +113,61 @@ class TrainConfig(_Config):
 
 
 class OPDConfig(_Config):
-    """On-policy distillation: student samples, routed teachers score, per-token reverse KL."""
+    """The merge: optional off-policy cold start, then on-policy distillation with one objective per route.
 
-    steps: int = Field(800, ge=1, le=1_000_000, description="Optimizer steps of the merge.")
-    batch_size: int = Field(64, ge=1, le=4096, description="Prompts per step, mixed uniformly over routes.")
+    Temperature applies in exactly two places: ``sample_temperature`` is what rollouts are drawn from (behaviour
+    log-probs and importance ratios use it); ``divergence_temperature`` divides student and teacher logits before any
+    divergence, top-k selection or per-token advantage. Evaluation is greedy.
+    """
+
+    steps: int = Field(800, ge=1, le=1_000_000, description="Optimizer steps of the on-policy stage.")
+    batch_size: int = Field(64, ge=1, le=4096, description="Prompts per batch, mixed uniformly over routes.")
     lr: float = Field(5e-4, gt=0, le=1.0, description="AdamW peak learning rate of the student (warmup, cosine decay).")
     warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
-    sample_temperature: float = Field(1.0, gt=0, le=10.0, description="Student sampling temperature for rollouts.")
+    loss: LossName = Field("reverse_kl", description="Objective of every route (see tasks/losses.py).")
+    route_loss: dict[str, LossName] = Field(default_factory=dict, description="Per-route objective overrides.")
+    beta: float = Field(0.5, ge=0, le=1, description="jsd: mixture weight of the teacher (0 = forward KL, 1 = reverse KL).")
+    alpha: float = Field(0.1, ge=0, le=1, description="skew_kl / skew_reverse_kl: skew mixing weight (DistiLLM).")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Divergence over the top-k tokens only (0 = full vocabulary).")
+    top_k_source: TopKSource = Field("teacher", description="Whose top-k tokens form the support.")
+    top_k_support: TopKSupport = Field(
+        "tail", description="tail: top-k + one bucket for the rest; renormalize over top-k; truncate: raw top-k sum."
+    )
+    top_k_stop_grad: bool = Field(
+        False, description="reverse_kl: sum_k q_k * sg(log q_k - log p_k), the unbiased top-k gradient."
+    )
+    sample_temperature: float = Field(1.0, gt=0, le=10.0, description="Rollout sampling temperature (and of the IS ratio).")
+    divergence_temperature: float = Field(1.0, gt=0, le=10.0, description="Temperature of both sides of the divergence.")
+    correction: Correction = Field(
+        "clip", description="Importance-ratio correction of policy-gradient terms: clip (PPO), truncate (TIS) or none."
+    )
+    clip_eps: float = Field(0.2, gt=0, le=1.0, description="clip: ratio kept within [1 - eps, 1 + eps].")
+    ratio_cap: float = Field(2.0, ge=1.0, le=100.0, description="truncate: importance ratios capped at this value.")
+    lmbda: float = Field(
+        1.0, ge=0, le=1, description="GKD's lambda: probability that a batch is the student's own rollouts (else off-policy)."
+    )
+    off_policy_source: OffPolicySourceName = Field(
+        "teacher", description="Off-policy completions: teacher samples (cached per teacher) or the dataset's gold column."
+    )
+    cold_start_steps: int = Field(
+        0, ge=0, le=1_000_000, description="Off-policy stage (supervised KD on off-policy completions) before OPD; 0 = none."
+    )
+    cold_start_loss: LossName = Field("forward_kl", description="Objective of the off-policy cold-start stage.")
+    cold_start_lr: float = Field(2e-3, gt=0, le=1.0, description="Peak learning rate of the cold-start stage.")
+    gate_threshold: float = Field(
+        0.8, ge=0, le=1, description="On-policy stage starts only when every route's sampled EOS and format rates reach this."
+    )
+    gate_samples: int = Field(64, ge=1, le=100_000, description="Sampled responses per route for the cold-start gate.")
+    gate_retries: int = Field(1, ge=0, le=100, description="Extra cold-start rounds when the gate fails, before giving up.")
+    reward_weight: float = Field(
+        0.0, ge=0, le=100.0, description="Weight of the verifier's outcome reward as a sequence advantage (GKD+RL)."
+    )
+    updates_per_batch: int = Field(1, ge=1, le=64, description="Optimizer steps per rollout batch (rollout reuse).")
+    overlap_generation: bool = Field(
+        False, description="Generate the next batch in a background thread (from a synced copy) during the update."
+    )
+    route_weights: dict[str, float] = Field(default_factory=dict, description="Per-route loss weights (default 1).")
+    route_max_new_tokens: dict[str, int] = Field(default_factory=dict, description="Per-route rollout length caps.")
     max_new_tokens: int | None = Field(
         None, ge=1, le=4096, description="Rollout length cap; default: longest gold completion + 2 tokens."
     )
@@ -116,6 +175,51 @@ class OPDConfig(_Config):
     eval_every: int = Field(100, ge=1, description="Evaluate every N steps (and at the start and the end).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
+
+    @model_validator(mode="after")
+    def _objectives(self) -> "OPDConfig":
+        for name, value in self.route_weights.items():
+            if value < 0:
+                raise ValueError(f"route_weights[{name!r}] = {value}: weights must be >= 0")
+        for name, value in self.route_max_new_tokens.items():
+            if not 1 <= value <= 4096:
+                raise ValueError(f"route_max_new_tokens[{name!r}] = {value}: expected 1..4096")
+        for route in {None, *self.route_loss}:
+            obj = self.objective(route)  # raises ValueError on a combination the loss cannot take
+            if obj.policy_gradient and self.lmbda < 1:
+                raise ValueError(
+                    f"loss 'sampled_token' (route {route or 'all'}) needs the student's own rollouts: set lmbda = 1, "
+                    f"not {self.lmbda}"
+                )
+        if self.top_k_stop_grad and "reverse_kl" not in {self.loss, *self.route_loss.values()}:
+            raise ValueError(f"top_k_stop_grad applies to reverse_kl, but no route uses it (loss = {self.loss!r})")
+        if self.top_k_stop_grad and not self.top_k:
+            raise ValueError("top_k_stop_grad needs top_k > 0")
+        self.cold_start_objective()
+        if self.cold_start_loss == "sampled_token":
+            raise ValueError("cold_start_loss cannot be 'sampled_token': the cold start learns from off-policy data")
+        return self
+
+    def objective(self, route: str | None = None, loss: str | None = None) -> Objective:
+        """The per-token objective of ``route`` (its ``route_loss`` override, else ``loss``). ``top_k_stop_grad``
+        modifies reverse-KL objectives only."""
+        name = loss or self.route_loss.get(route or "", self.loss)
+        return Objective(
+            loss=name, beta=self.beta, alpha=self.alpha, top_k=self.top_k, top_k_source=self.top_k_source,
+            top_k_support=self.top_k_support, top_k_stop_grad=self.top_k_stop_grad and name == "reverse_kl",
+            temperature=self.divergence_temperature, sample_temperature=self.sample_temperature,
+            correction=self.correction, clip_eps=self.clip_eps, ratio_cap=self.ratio_cap,
+        )
+
+    def cold_start_objective(self) -> Objective:
+        return self.objective(loss=self.cold_start_loss)
+
+    def check_routes(self, routes: list[str]) -> None:
+        """Every per-route setting must name a route of the world."""
+        for field_name in ("route_loss", "route_weights", "route_max_new_tokens"):
+            for r in getattr(self, field_name):
+                if r not in routes:
+                    raise ValueError(f"opd.{field_name} names route {r!r}, which is not in world.routes {routes}")
 
 
 class PretrainConfig(_Config):
@@ -147,6 +251,14 @@ class MergeConfig(_Config):
     )
     opd: OPDConfig = Field(default_factory=OPDConfig)
     experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
+    label: str = Field(
+        "", pattern=r"^[A-Za-z0-9_.+-]*$", description="Name of the merge variant in run names; empty = the loss."
+    )
+
+    @model_validator(mode="after")
+    def _route_settings(self):
+        self.opd.check_routes(self.world.routes)
+        return self
 
 
 class PipelineConfig(_Config):
@@ -161,6 +273,11 @@ class PipelineConfig(_Config):
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
     opd: OPDConfig = Field(default_factory=OPDConfig)
     experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
+
+    @model_validator(mode="after")
+    def _route_settings(self):
+        self.opd.check_routes(self.world.routes)
+        return self
 
     def pretrain(self) -> PretrainConfig:
         return PretrainConfig(world=self.world, model=self.model, train=self.base_train)

@@ -15,17 +15,25 @@ from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, l
 from tasks.config import WorldConfig
 from tasks.paths import world_dir
 from tasks.tokenizer import build_char_tokenizer, save_tokenizer
-from tasks.world import WORLD_VERSION, Route, domain_of, format_prompt, gold_completion, sample_problems
+from tasks.world import (
+    DEFAULT_TEMPLATE,
+    WORLD_VERSION,
+    Route,
+    domain_of,
+    format_prompt,
+    gold_completion,
+    sample_problems,
+)
 
 COLUMNS = ["route", "problem", "prompt", "completion", "answer"]
 
 
-def _rows(route: Route, problems: list[str]) -> dict[str, list[str]]:
+def _rows(route: Route, problems: list[str], template: str = DEFAULT_TEMPLATE) -> dict[str, list[str]]:
     dom = domain_of(route)
     return {
         "route": [route.name] * len(problems),
         "problem": problems,
-        "prompt": [format_prompt(route, p) for p in problems],
+        "prompt": [format_prompt(route, p, template=template) for p in problems],
         "completion": [gold_completion(route, p) for p in problems],
         "answer": [dom.answer(p) for p in problems],
     }
@@ -86,8 +94,9 @@ def build_world(cfg: WorldConfig, root: Path | None = None) -> Path:
     train_parts, eval_parts = [], []
     for route in cfg.route_objs():
         tr, ev = route_splits(cfg, route)
-        train_parts.append(Dataset.from_dict(_rows(route, tr)))
-        eval_parts.append(Dataset.from_dict(_rows(route, ev)))
+        template = cfg.budget_templates.get(route.budget, DEFAULT_TEMPLATE)
+        train_parts.append(Dataset.from_dict(_rows(route, tr, template)))
+        eval_parts.append(Dataset.from_dict(_rows(route, ev, template)))
     DatasetDict(train=concatenate_datasets(train_parts), eval=concatenate_datasets(eval_parts)).save_to_disk(
         str(tmp / "prompts")
     )

@@ -1,28 +1,240 @@
-"""On-policy distillation: the student samples, each sample's routed teacher scores it in one forward pass, and the
-student minimises the per-token full-vocabulary reverse KL on its own states.
+"""One distillation step, in three parts the merge loop composes: make a batch of sequences (the student's own
+rollouts, or off-policy completions: teacher samples cached per teacher, or a dataset column), let each row's routed
+teacher score it in one forward pass, and update the student with each route's objective from the menu in
+:mod:`tasks.losses`.
 """
 
 from __future__ import annotations
 
+import copy
+import random
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.losses import chunked_reverse_kl
-from tasks.rollout import Rollout, forward_hidden, generate
+from tasks.losses import Objective, TokenInputs, chunked_objective
+from tasks.rollout import (
+    Rollout,
+    cap_responses,
+    decode_responses,
+    forward_hidden,
+    generate,
+    response_ids,
+    rollout_from_responses,
+    token_logprobs,
+)
+from tasks.world import Route, verify
+
+OffPolicySource = Literal["teacher", "dataset"]
+
+
+@dataclass
+class Batch:
+    """Sequences to learn on. ``version`` is the number of optimizer steps the generating policy had taken (-1 for
+    off-policy data); ``tokens`` holds behaviour/old log-probs (on-policy batches whose objective needs them);
+    ``rewards_B`` is the route verifier's 0/1 outcome on each response."""
+
+    rollout: Rollout
+    routes: list[str]
+    problems: list[str]
+    on_policy: bool
+    version: int
+    rewards_B: torch.Tensor
+    tokens: TokenInputs | None = None
+    seconds: float = 0.0  # time spent making the batch (generation and behaviour log-probs)
+    generated: int = 0  # sequences generated for this batch (teacher-sample cache misses count too)
 
 
 @dataclass
 class StepStats:
     loss: float
     tokens: int
-    kl_sum: dict[str, float] = field(default_factory=dict)  # per route: summed per-token KL
+    loss_sum: dict[str, float] = field(default_factory=dict)  # per route: summed per-token objective
+    kl_sum: dict[str, float] = field(default_factory=dict)  # per route: summed full-vocab reverse KL (diagnostic)
     kl_tokens: dict[str, float] = field(default_factory=dict)  # per route: response tokens scored
-    sequences: dict[str, int] = field(default_factory=dict)  # per route: rollouts
-    truncated: dict[str, int] = field(default_factory=dict)  # per route: rollouts without EOS
-    seconds: dict[str, float] = field(default_factory=dict)  # generate / teacher / update
+    sequences: dict[str, int] = field(default_factory=dict)  # per route: sequences in the batch
+    truncated: dict[str, int] = field(default_factory=dict)  # per route: sequences without EOS
+    reward_sum: dict[str, float] = field(default_factory=dict)  # per route: verifier outcomes summed
+    seconds: dict[str, float] = field(default_factory=dict)  # teacher / update
+
+
+def verifier_rewards(tok: PreTrainedTokenizerBase, rollout: Rollout, routes: list[str], problems: list[str]) -> torch.Tensor:
+    """1.0 where the response's final answer is right for its route and problem, else 0.0: ``[B]``."""
+    texts = decode_responses(tok, rollout)
+    return torch.tensor([float(verify(Route.parse(r), p, t)) for r, p, t in zip(routes, problems, texts)])
+
+
+def sample_batch(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: list[str],
+    routes: list[str],
+    problems: list[str],
+    caps_B: list[int],
+    version: int,
+    sample_temperature: float = 1.0,
+    divergence_temperature: float = 1.0,
+    with_logprobs: bool = False,
+) -> Batch:
+    """On-policy rollouts of ``model`` (sampled at ``sample_temperature``, no top-k/top-p; each row cut at its route's
+    cap). With ``with_logprobs`` the behaviour log-probs (sampling temperature) and the old policy's log-probs
+    (divergence temperature) of the sampled tokens are recorded for the importance ratio and the per-token advantage."""
+    t0 = time.perf_counter()
+    rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature)
+    rollout = cap_responses(rollout, caps_B, tok.eos_token_id)
+    tokens = None
+    if with_logprobs:
+        temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
+        lp = token_logprobs(model, rollout, temps)
+        tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
+    rewards_B = verifier_rewards(tok, rollout, routes, problems)
+    return Batch(rollout, routes, problems, True, version, rewards_B, tokens, time.perf_counter() - t0, len(prompts))
+
+
+class OffPolicyData:
+    """Off-policy completions for GKD's ``1 - lambda`` share of batches and for the cold-start stage.
+
+    ``teacher``: each prompt's routed teacher samples a completion once (at the sampling temperature); it is cached
+    per teacher and reused whenever that prompt comes back. ``dataset``: the prompt set's gold ``completion`` column.
+    """
+
+    def __init__(
+        self,
+        source: OffPolicySource,
+        tok: PreTrainedTokenizerBase,
+        teachers: dict[str, PreTrainedModel],
+        teacher_of: dict[str, str],
+        gold: dict[str, str],
+        sample_temperature: float = 1.0,
+    ):
+        if source not in ("teacher", "dataset"):
+            raise ValueError(f"off-policy source must be 'teacher' or 'dataset', got {source!r}")
+        self.source, self.tok, self.teachers, self.teacher_of = source, tok, teachers, teacher_of
+        self.gold, self.sample_temperature = gold, sample_temperature
+        self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
+
+    def batch(self, prompts: list[str], routes: list[str], problems: list[str], caps_B: list[int]) -> Batch:
+        t0 = time.perf_counter()
+        generated = 0
+        if self.source == "dataset":
+            missing = [p for p in prompts if p not in self.gold]
+            if missing:
+                raise KeyError(f"no dataset completion for {len(missing)} prompts, e.g. {missing[0]!r}")
+            ids = self.tok([self.gold[p] for p in prompts], add_special_tokens=False)["input_ids"]
+            responses = [x + [self.tok.eos_token_id] for x in ids]
+        else:
+            generated = self._fill(prompts, routes, caps_B)
+            responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
+        rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses), caps_B, self.tok.eos_token_id)
+        rewards_B = verifier_rewards(self.tok, rollout, routes, problems)
+        return Batch(rollout, routes, problems, False, -1, rewards_B, None, time.perf_counter() - t0, generated)
+
+    def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int]) -> int:
+        """Sample the missing (teacher, prompt) completions, one generate call per teacher. Returns how many."""
+        todo: dict[str, dict[str, int]] = {}
+        for p, r, cap in zip(prompts, routes, caps_B):
+            name = self.teacher_of[r]
+            if p not in self.cache[name]:
+                todo.setdefault(name, {})[p] = cap
+        for name, caps in todo.items():
+            plist = list(caps)
+            ro = generate(self.teachers[name], self.tok, plist, max(caps.values()), temperature=self.sample_temperature)
+            ro = cap_responses(ro, [caps[p] for p in plist], self.tok.eos_token_id)
+            self.cache[name].update(zip(plist, response_ids(ro)))
+        return sum(len(c) for c in todo.values())
+
+
+class PromptSampler:
+    """Draws batches mixed uniformly over routes from each route's training prompts (``route -> (prompts,
+    problems)``), deterministic in ``seed``; also flips GKD's lambda coin for each batch."""
+
+    def __init__(self, train: dict[str, tuple[list[str], list[str]]], seed: int):
+        self.train, self.routes = train, list(train)
+        self.rng = random.Random(seed)
+
+    def draw(self, n: int) -> tuple[list[str], list[str], list[str]]:
+        routes = [self.routes[self.rng.randrange(len(self.routes))] for _ in range(n)]
+        picks = [self.rng.randrange(len(self.train[r][0])) for r in routes]
+        return [self.train[r][0][i] for r, i in zip(routes, picks)], routes, [self.train[r][1][i] for r, i in zip(routes, picks)]
+
+    def on_policy(self, lmbda: float) -> bool:
+        return self.rng.random() < lmbda
+
+
+class BatchProducer:
+    """Makes each batch: with probability ``lmbda`` the student's own rollouts, else off-policy completions.
+
+    With ``overlap`` the next batch is made in a background thread from a copy of the student (the rollout model)
+    while the current update runs; the copy gets the student's weights each time a batch is taken, so a batch is one
+    update behind (``staleness`` 1, more with rollout reuse) and the importance ratio corrects for it.
+    """
+
+    def __init__(
+        self,
+        student: PreTrainedModel,
+        tok: PreTrainedTokenizerBase,
+        sampler: PromptSampler,
+        offpolicy: OffPolicyData,
+        caps: dict[str, int],
+        batch_size: int,
+        sample_temperature: float = 1.0,
+        divergence_temperature: float = 1.0,
+        with_logprobs: bool = False,
+        overlap: bool = False,
+    ):
+        self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
+        self.batch_size, self.with_logprobs, self.overlap = batch_size, with_logprobs, overlap
+        self.temps = (sample_temperature, divergence_temperature)
+        self.rollout_model = copy.deepcopy(student).eval().requires_grad_(False) if overlap else None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
+        self.pending: Future | None = None
+        self.sync_seconds = 0.0  # time of the last weight sync into the rollout model
+
+    def _make(self, model: PreTrainedModel, on_policy: bool, version: int, drawn) -> Batch:
+        prompts, routes, problems = drawn
+        caps_B = [self.caps[r] for r in routes]
+        if on_policy:
+            return sample_batch(model, self.tok, prompts, routes, problems, caps_B, version, *self.temps,
+                                with_logprobs=self.with_logprobs)
+        return self.offpolicy.batch(prompts, routes, problems, caps_B)
+
+    def next(self, lmbda: float, version: int) -> Batch:
+        """The next batch; ``version`` is the number of optimizer steps the student has taken so far."""
+        if not self.overlap:
+            return self._make(self.student, self.sampler.on_policy(lmbda), version, self.sampler.draw(self.batch_size))
+        if self.pending is None:
+            self._sync()
+            self.pending = self._submit(lmbda, version)
+        batch = self.pending.result()
+        self._sync()
+        self.pending = self._submit(lmbda, version)
+        return batch
+
+    def _submit(self, lmbda: float, version: int) -> Future:
+        on_policy, drawn = self.sampler.on_policy(lmbda), self.sampler.draw(self.batch_size)
+        return self.executor.submit(self._make, self.rollout_model, on_policy, version, drawn)
+
+    def _sync(self) -> None:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for dst, src in zip(self.rollout_model.parameters(), self.student.parameters()):
+                dst.copy_(src)
+        self.sync_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.executor is not None:
+            if self.pending is not None:
+                self.pending.cancel()
+                try:
+                    self.pending.result()
+                except Exception:  # noqa: BLE001 - the batch is discarded either way
+                    pass
+            self.executor.shutdown(wait=True)
+            self.pending = None
 
 
 def score_with_teachers(
@@ -39,58 +251,83 @@ def score_with_teachers(
     return out
 
 
-def opd_step(
+def sequence_advantages(rewards_B: torch.Tensor, routes: list[str], reward_weight: float) -> torch.Tensor:
+    """``reward_weight * (R_b - mean of R over the batch's rows of the same route)``: the verifier's outcome as a
+    sequence advantage with a per-route group baseline (GKD+RL). ``[B]``."""
+    adv_B = torch.zeros_like(rewards_B)
+    for r in set(routes):
+        idx = torch.tensor([i for i, x in enumerate(routes) if x == r])
+        adv_B[idx] = rewards_B[idx] - rewards_B[idx].mean()
+    return reward_weight * adv_B
+
+
+def update_step(
     student: PreTrainedModel,
     teachers: dict[str, PreTrainedModel],
-    tok: PreTrainedTokenizerBase,
-    prompts: list[str],
-    routes: list[str],
-    groups: dict[str, list[int]],
+    batch: Batch,
+    teacher_hidden: dict[str, tuple[list[int], torch.Tensor]],
+    objectives: dict[str, Objective],
     optimizer: torch.optim.Optimizer,
-    scheduler,
-    max_new_tokens: int,
-    sample_temperature: float = 1.0,
+    scheduler=None,
     chunk_size: int = 16,
     grad_clip: float = 1.0,
+    route_weights: dict[str, float] | None = None,
+    reward_weight: float = 0.0,
 ) -> StepStats:
-    """One on-policy distillation step over a batch mixed across routes; returns per-route statistics.
-
-    ``routes[i]`` is row i's route (for metrics); ``groups`` maps each teacher to the rows it scores.
-    """
+    """One optimizer step on ``batch``: rows are grouped by (teacher, route objective) and each group's objective is
+    summed over its response tokens; the total is divided by the batch's response tokens. ``route_weights`` scale a
+    route's tokens (default 1). A ``reward_weight`` adds the verifier outcome as a sequence advantage on on-policy
+    batches. Returns per-route statistics."""
     t0 = time.perf_counter()
-    rollout = generate(student, tok, prompts, max_new_tokens, greedy=False, temperature=sample_temperature)
-    t1 = time.perf_counter()
-    teacher_hidden = score_with_teachers(teachers, groups, rollout)
-    t2 = time.perf_counter()
-
+    rollout, routes = batch.rollout, batch.routes
+    route_weights = route_weights or {}
     student.train()
     # Position t predicts token t+1: drop the last position, and mask to positions whose next token is a response token.
     student_hidden_B_T_H = forward_hidden(student, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
     mask_B_T = rollout.loss_mask_B_T()
     total_tokens = max(int(mask_B_T.sum()), 1)
+    seq_adv_B = None
+    if reward_weight > 0 and batch.on_policy:
+        seq_adv_B = sequence_advantages(batch.rewards_B, routes, reward_weight)
     loss = student_hidden_B_T_H.new_zeros(())
     stats = StepStats(loss=0.0, tokens=total_tokens)
     for name, (rows, hidden_b_T_H) in teacher_hidden.items():
-        idx = torch.tensor(rows)
-        res = chunked_reverse_kl(
-            student_hidden_B_T_H[idx],
-            hidden_b_T_H[:, :-1],
-            student.get_output_embeddings(),
-            teachers[name].get_output_embeddings(),
-            mask_B_T[idx],
-            chunk_size=chunk_size,
-            normalizer=total_tokens,
-        )
-        loss = loss + res.loss
+        by_objective: dict[Objective, list[int]] = {}
         for j, row in enumerate(rows):
-            r = routes[row]
-            stats.kl_sum[r] = stats.kl_sum.get(r, 0.0) + float(res.kl_sum_B[j])
-            stats.kl_tokens[r] = stats.kl_tokens.get(r, 0.0) + float(res.tokens_B[j])
+            by_objective.setdefault(objectives[routes[row]], []).append(j)
+        for obj, js in by_objective.items():
+            if obj.policy_gradient and (batch.tokens is None or not batch.on_policy):
+                raise ValueError(f"loss {obj.loss!r} needs on-policy rollouts with behaviour log-probs")
+            idx = torch.tensor([rows[j] for j in js])
+            tokens = None
+            if batch.tokens is not None and (obj.policy_gradient or seq_adv_B is not None):
+                tokens = TokenInputs(batch.tokens.targets_B_T[idx], batch.tokens.logq_behaviour_B_T[idx],
+                                     batch.tokens.logq_old_B_T[idx])
+            res = chunked_objective(
+                student_hidden_B_T_H[idx],
+                hidden_b_T_H[torch.tensor(js), :-1],
+                student.get_output_embeddings(),
+                teachers[name].get_output_embeddings(),
+                mask_B_T[idx],
+                obj,
+                tokens=tokens,
+                seq_adv_B=None if seq_adv_B is None or tokens is None else seq_adv_B[idx],
+                weight_B=torch.tensor([route_weights.get(routes[i], 1.0) for i in idx.tolist()]),
+                chunk_size=chunk_size,
+                normalizer=total_tokens,
+            )
+            loss = loss + res.loss
+            for k, row in enumerate(idx.tolist()):
+                r = routes[row]
+                stats.loss_sum[r] = stats.loss_sum.get(r, 0.0) + float(res.loss_sum_B[k])
+                stats.kl_sum[r] = stats.kl_sum.get(r, 0.0) + float(res.reverse_kl_sum_B[k])
+                stats.kl_tokens[r] = stats.kl_tokens.get(r, 0.0) + float(res.tokens_B[k])
     for row, r in enumerate(routes):
         stats.sequences[r] = stats.sequences.get(r, 0) + 1
         stats.truncated[r] = stats.truncated.get(r, 0) + int(rollout.truncated_B[row])
+        stats.reward_sum[r] = stats.reward_sum.get(r, 0.0) + float(batch.rewards_B[row])
     if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite OPD loss {loss.item()}")
+        raise FloatingPointError(f"non-finite distillation loss {loss.item()}")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
@@ -98,7 +335,34 @@ def opd_step(
     if scheduler is not None:
         scheduler.step()
     student.eval()
-    t3 = time.perf_counter()
     stats.loss = float(loss.detach())
-    stats.seconds = {"generate": t1 - t0, "teacher": t2 - t1, "update": t3 - t2}
+    stats.seconds = {"update": time.perf_counter() - t0}
+    return stats
+
+
+def opd_step(
+    student: PreTrainedModel,
+    teachers: dict[str, PreTrainedModel],
+    tok: PreTrainedTokenizerBase,
+    prompts: list[str],
+    routes: list[str],
+    problems: list[str],
+    groups: dict[str, list[int]],
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    max_new_tokens: int,
+    objective: Objective = Objective(),
+    chunk_size: int = 16,
+    grad_clip: float = 1.0,
+) -> StepStats:
+    """One plain on-policy step with one objective for every route: sample, score, update (``routes[i]`` is row i's
+    route, ``groups`` maps each teacher to the rows it scores)."""
+    batch = sample_batch(student, tok, prompts, routes, problems, [max_new_tokens] * len(prompts), 0,
+                         objective.sample_temperature, objective.temperature, with_logprobs=objective.policy_gradient)
+    t1 = time.perf_counter()
+    hidden = score_with_teachers(teachers, groups, batch.rollout)
+    t2 = time.perf_counter()
+    stats = update_step(student, teachers, batch, hidden, {r: objective for r in set(routes)}, optimizer, scheduler,
+                        chunk_size, grad_clip)
+    stats.seconds.update(generate=batch.seconds, teacher=t2 - t1)
     return stats

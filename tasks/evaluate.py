@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.rollout import decode_responses, generate
-from tasks.world import Route, verify
+from tasks.world import Route, format_ok, verify
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,55 @@ def evaluate_routes(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
     eval_sets: dict[str, tuple[list[str], list[str]]],
-    max_new_tokens: int,
+    max_new_tokens: int | dict[str, int],
 ) -> dict[str, RouteScore]:
-    """``eval_sets``: route -> (prompts, problems)."""
-    return {r: evaluate_route(model, tok, r, p, q, max_new_tokens) for r, (p, q) in eval_sets.items()}
+    """``eval_sets``: route -> (prompts, problems); ``max_new_tokens`` one cap or a cap per route."""
+    caps = max_new_tokens if isinstance(max_new_tokens, dict) else {r: max_new_tokens for r in eval_sets}
+    return {r: evaluate_route(model, tok, r, p, q, caps[r]) for r, (p, q) in eval_sets.items()}
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The cold-start gate: per route, the fraction of sampled responses that end with EOS and the fraction that also
+    have the route's format (:func:`tasks.world.format_ok`)."""
+
+    threshold: float
+    eos_rate: dict[str, float]
+    format_rate: dict[str, float]
+
+    @property
+    def failing(self) -> list[str]:
+        return [r for r in self.eos_rate if min(self.eos_rate[r], self.format_rate[r]) < self.threshold]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failing
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{r} eos {self.eos_rate[r]:.2f} format {self.format_rate[r]:.2f}" for r in self.eos_rate
+        ) + f" (threshold {self.threshold:.2f})"
+
+
+def compliance_gate(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: dict[str, list[str]],
+    caps: dict[str, int],
+    threshold: float,
+    temperature: float = 1.0,
+) -> GateResult:
+    """Sample the student as the on-policy stage will (at the sampling temperature) on each route's ``prompts`` and
+    measure EOS and format compliance: reverse KL can only teach behaviour the student already samples."""
+    eos, fmt = {}, {}
+    for r, plist in prompts.items():
+        ro = generate(model, tok, plist, caps[r], greedy=False, temperature=temperature)
+        texts = decode_responses(tok, ro)
+        ended_B = ~ro.truncated_B
+        route = Route.parse(r)
+        eos[r] = float(ended_B.float().mean())
+        fmt[r] = sum(bool(e) and format_ok(route, t) for e, t in zip(ended_B, texts)) / len(plist)
+    return GateResult(threshold, eos, fmt)
 
 
 def retention(student_acc: float, teacher_acc: float) -> float:

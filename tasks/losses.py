@@ -1,59 +1,270 @@
-"""Divergences between the student's and a teacher's next-token distributions.
+"""The objective menu: divergences between the student's and a teacher's next-token distributions, and the
+sampled-token policy-gradient form of reverse KL. Pure functions over tensors; the merge picks one per route.
 
 Conventions: ``q`` is the student, ``p`` the teacher. Position ``t`` of a hidden state predicts token ``t + 1``; the
 caller passes a mask that is 1 exactly at the positions whose next token is a response token.
+
+Where temperature applies (the one place it is defined):
+
+- ``sample_temperature`` (``opd.sample_temperature``) is the distribution the rollouts were drawn from. Behaviour
+  log-probs and the importance ratio ``q_theta(x) / q_old(x)`` are both computed at it, so an on-policy ratio is
+  exactly 1.
+- ``temperature`` (``opd.divergence_temperature``) divides the logits of *both* student and teacher before any
+  divergence, top-k selection or per-token advantage ``log p(x) - log q_old(x)`` is computed.
+- Evaluation is greedy; no temperature applies there.
+
+Divergences over C categories with ``a``, ``b`` normalised (``KL(a || b) = sum_c a_c (log a_c - log b_c)``):
+
+=================== ========================================================================================
+``reverse_kl``      KL(q || p), mode-seeking (the OPD default)
+``forward_kl``      KL(p || q), mass-covering (supervised token KD)
+``jsd``             generalized JSD(beta) = beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q.
+                    At the endpoints the GKD/TRL convention applies: beta = 0 is forward KL and beta = 1 reverse
+                    KL (the limits of JSD(beta)/beta and JSD(beta)/(1 - beta))
+``skew_kl``         KL(p || alpha p + (1 - alpha) q) (DistiLLM's SKL; alpha = 0 is forward KL)
+``skew_reverse_kl`` KL(q || alpha q + (1 - alpha) p) (DistiLLM's SRKL; alpha = 0 is reverse KL)
+``sampled_token``   policy gradient with per-token advantage ``a_t = sg(log p(x_t) - log q_old(x_t))`` at the
+                    sampled token only: one teacher number per token (see :func:`policy_gradient_loss`)
+=================== ========================================================================================
+
+Top-k (``top_k > 0``): the divergence over the teacher's (or student's) k most likely tokens, with ``top_k_support``
+
+- ``tail``: plus one tail bucket holding the rest of the mass, ``log(1 - sum_topk prob)`` on each side: an exact
+  divergence between two (k + 1)-category distributions, a lower bound on the full one (data processing);
+- ``renormalize``: both sides renormalised over the k tokens;
+- ``truncate``: the raw sum over the k tokens (verl's legacy form). For reverse KL its gradient carries an extra
+  ``sum_k grad q_k`` term that lowers the student's top-k mass itself: the bias behind unstable top-k reverse KL.
+  ``top_k_stop_grad`` uses the surrogate ``sum_k q_k * sg(log q_k - log p_k)``: same value, and the gradient
+  ``sum_k grad q_k (log q_k - log p_k)`` keeps exactly the full reverse KL's gradient terms on the k tokens.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 Head = Callable[[torch.Tensor], torch.Tensor]
+LossName = Literal["reverse_kl", "forward_kl", "jsd", "skew_kl", "skew_reverse_kl", "sampled_token"]
+TopKSource = Literal["teacher", "student"]
+TopKSupport = Literal["tail", "renormalize", "truncate"]
+Correction = Literal["clip", "truncate", "none"]
+LOSSES: tuple[str, ...] = get_args(LossName)
+
+# The largest log-mass a top-k set may hold before its tail bucket is treated as empty (keeps log(tail) finite).
+_MAX_TOPK_LOGMASS = -1e-7
 
 
-def reverse_kl_per_token(student_logits_N_V: torch.Tensor, teacher_logits_N_V: torch.Tensor) -> torch.Tensor:
-    """KL(q || p) = sum_v q_v (log q_v - log p_v) at each of N positions, in fp32. Returns ``kl_N``.
+@dataclass(frozen=True)
+class Objective:
+    """Everything that defines the per-token loss of one route (built from ``OPDConfig``; see the module docstring)."""
 
-    The teacher side is detached: gradients reach only the student's logits.
+    loss: LossName = "reverse_kl"
+    beta: float = 0.5
+    alpha: float = 0.1
+    top_k: int = 0
+    top_k_source: TopKSource = "teacher"
+    top_k_support: TopKSupport = "tail"
+    top_k_stop_grad: bool = False
+    temperature: float = 1.0
+    sample_temperature: float = 1.0
+    correction: Correction = "clip"
+    clip_eps: float = 0.2
+    ratio_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; known: {list(LOSSES)}")
+        if not 0.0 <= self.beta <= 1.0 or not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"beta ({self.beta}) and alpha ({self.alpha}) must lie in [0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = full vocabulary), got {self.top_k}")
+        if self.top_k_stop_grad and self.loss != "reverse_kl":
+            raise ValueError(f"top_k_stop_grad applies to reverse_kl only, not {self.loss!r}")
+        if self.top_k and self.loss == "sampled_token":
+            raise ValueError("top_k does not apply to the sampled_token loss (it uses one log-prob per token)")
+        for name in ("temperature", "sample_temperature"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def policy_gradient(self) -> bool:
+        return self.loss == "sampled_token"
+
+
+def kl(loga_N_C: torch.Tensor, logb_N_C: torch.Tensor) -> torch.Tensor:
+    """``KL(a || b) = sum_c a_c (log a_c - log b_c)`` from log-probabilities (finite), per row: ``[N]``."""
+    return (loga_N_C.exp() * (loga_N_C - logb_N_C)).sum(-1)
+
+
+def _log_mix(logp_N_C: torch.Tensor, logq_N_C: torch.Tensor, w: float) -> torch.Tensor:
+    """``log(w p + (1 - w) q)`` for 0 < w < 1."""
+    return torch.logaddexp(logp_N_C + math.log(w), logq_N_C + math.log1p(-w))
+
+
+def divergence(
+    logq_N_C: torch.Tensor,
+    logp_N_C: torch.Tensor,
+    loss: str,
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    stop_grad: bool = False,
+) -> torch.Tensor:
+    """One of the full divergences of the module docstring between the student's and the teacher's log-distributions
+    over C categories, per row (``[N]``). The teacher side is always detached."""
+    logp_N_C = logp_N_C.detach()
+    if loss == "reverse_kl":
+        if stop_grad:
+            return (logq_N_C.exp() * (logq_N_C - logp_N_C).detach()).sum(-1)
+        return kl(logq_N_C, logp_N_C)
+    if loss == "forward_kl":
+        return kl(logp_N_C, logq_N_C)
+    if loss == "jsd":
+        if beta == 0.0:
+            return kl(logp_N_C, logq_N_C)
+        if beta == 1.0:
+            return kl(logq_N_C, logp_N_C)
+        logm_N_C = _log_mix(logp_N_C, logq_N_C, beta)
+        return beta * kl(logp_N_C, logm_N_C) + (1.0 - beta) * kl(logq_N_C, logm_N_C)
+    if loss in ("skew_kl", "skew_reverse_kl") and alpha == 1.0:
+        return (logq_N_C * 0.0).sum(-1)  # KL(a || a) = 0, with a (zero) gradient path to the student
+    if loss == "skew_kl":
+        return kl(logp_N_C, logq_N_C if alpha == 0.0 else _log_mix(logp_N_C, logq_N_C, alpha))
+    if loss == "skew_reverse_kl":
+        return kl(logq_N_C, logp_N_C if alpha == 0.0 else _log_mix(logq_N_C, logp_N_C, alpha))
+    raise ValueError(f"{loss!r} is not a full-distribution divergence; known: {list(LOSSES[:-1])}")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate at both ends (Maechler's switch at ``-ln 2``)."""
+    x = x.clamp(max=_MAX_TOPK_LOGMASS)
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def topk_log_probs(
+    logq_N_V: torch.Tensor,
+    logp_N_K: torch.Tensor,
+    idx_N_K: torch.Tensor,
+    support: str = "tail",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's and teacher's log-distributions over a top-k support (``[N, K]`` token ids ``idx_N_K`` with the
+    teacher's log-probs ``logp_N_K`` there, which is all a served teacher has to return).
+
+    ``tail`` appends the bucket ``log(1 - sum_k prob)`` to each side (``[N, K + 1]``), ``renormalize`` renormalises
+    over the K tokens, ``truncate`` returns the raw ``[N, K]`` values.
     """
-    logq_N_V = F.log_softmax(student_logits_N_V.float(), dim=-1)
-    logp_N_V = F.log_softmax(teacher_logits_N_V.detach().float(), dim=-1)
-    return (logq_N_V.exp() * (logq_N_V - logp_N_V)).sum(-1)
+    logq_N_K = logq_N_V.gather(-1, idx_N_K)
+    if support == "truncate":
+        return logq_N_K, logp_N_K
+    if support == "renormalize":
+        return (logq_N_K - logq_N_K.logsumexp(-1, keepdim=True), logp_N_K - logp_N_K.logsumexp(-1, keepdim=True))
+    if support == "tail":
+        tail_q_N_1 = log1mexp(logq_N_K.logsumexp(-1, keepdim=True))
+        tail_p_N_1 = log1mexp(logp_N_K.logsumexp(-1, keepdim=True))
+        return torch.cat([logq_N_K, tail_q_N_1], -1), torch.cat([logp_N_K, tail_p_N_1], -1)
+    raise ValueError(f"unknown top_k_support {support!r}; known: {list(get_args(TopKSupport))}")
+
+
+def token_divergence(student_logits_N_V: torch.Tensor, teacher_logits_N_V: torch.Tensor, obj: Objective) -> torch.Tensor:
+    """The objective's divergence at each of N positions from raw logits (fp32, divergence temperature applied,
+    top-k support selected without gradient). Returns ``div_N``."""
+    logq_N_V = F.log_softmax(student_logits_N_V.float() / obj.temperature, dim=-1)
+    logp_N_V = F.log_softmax(teacher_logits_N_V.detach().float() / obj.temperature, dim=-1)
+    if obj.top_k:
+        k = min(obj.top_k, logq_N_V.shape[-1])
+        source_N_V = logp_N_V if obj.top_k_source == "teacher" else logq_N_V.detach()
+        idx_N_K = source_N_V.topk(k, dim=-1).indices
+        logq_N_V, logp_N_V = topk_log_probs(logq_N_V, logp_N_V.gather(-1, idx_N_K), idx_N_K, obj.top_k_support)
+    return divergence(logq_N_V, logp_N_V, obj.loss, obj.beta, obj.alpha, obj.top_k_stop_grad)
+
+
+def policy_gradient_loss(
+    logq_N: torch.Tensor,
+    logq_old_N: torch.Tensor,
+    adv_N: torch.Tensor,
+    correction: str = "clip",
+    clip_eps: float = 0.2,
+    ratio_cap: float = 2.0,
+) -> torch.Tensor:
+    """Per-token policy-gradient loss for sampled tokens with advantages ``adv_N`` (detached here) and the importance
+    ratio ``r = q_theta(x) / q_old(x)`` correcting rollouts from a stale policy:
+
+    - ``clip`` (PPO): ``-min(r a, clip(r, 1 - eps, 1 + eps) a)``;
+    - ``truncate`` (truncated IS): ``-min(r, cap) a``, with gradient ``-min(r, cap) a grad log q``;
+    - ``none``: ``-r a``.
+
+    On-policy (``q_old = q_theta``) every form has the gradient ``-a grad log q(x)``. Returns ``loss_N``.
+    """
+    adv_N = adv_N.detach()
+    ratio_N = torch.exp(logq_N - logq_old_N.detach())
+    if correction == "clip":
+        return -torch.minimum(ratio_N * adv_N, ratio_N.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv_N)
+    if correction == "truncate":
+        return -(ratio_N.clamp(max=ratio_cap) / ratio_N).detach() * ratio_N * adv_N
+    if correction == "none":
+        return -ratio_N * adv_N
+    raise ValueError(f"unknown correction {correction!r}; known: {list(get_args(Correction))}")
+
+
+def sampled_token_advantage(logp_N: torch.Tensor, logq_old_N: torch.Tensor) -> torch.Tensor:
+    """``a_t = sg(log p(x_t) - log q_old(x_t))``: minus the one-sample estimate of the reverse KL at position t."""
+    return (logp_N - logq_old_N).detach()
 
 
 @dataclass
-class DivergenceResult:
-    """``loss`` is the mean over masked tokens; ``kl_sum_B`` and ``tokens_B`` are per sequence (detached)."""
+class ObjectiveResult:
+    """``loss`` is the weighted sum over masked tokens / normalizer; the ``*_B`` sums are per sequence (detached):
+    the objective's own per-token values and, as a diagnostic every objective logs, the full-vocabulary reverse KL at
+    the divergence temperature."""
 
     loss: torch.Tensor
-    kl_sum_B: torch.Tensor
+    loss_sum_B: torch.Tensor
+    reverse_kl_sum_B: torch.Tensor
     tokens_B: torch.Tensor
 
 
-def chunked_reverse_kl(
+@dataclass
+class TokenInputs:
+    """Per-position inputs the policy-gradient terms need, aligned with the hidden positions ``[B, T]``: the token
+    each position predicts, its behaviour log-prob at the sampling temperature and the old policy's log-prob at the
+    divergence temperature (the same tensor when the temperatures are equal)."""
+
+    targets_B_T: torch.Tensor
+    logq_behaviour_B_T: torch.Tensor
+    logq_old_B_T: torch.Tensor
+
+
+def chunked_objective(
     student_hidden_B_T_H: torch.Tensor,
     teacher_hidden_B_T_Ht: torch.Tensor,
     student_head: Head,
     teacher_head: Head,
     mask_B_T: torch.Tensor,
+    obj: Objective,
+    tokens: TokenInputs | None = None,
+    seq_adv_B: torch.Tensor | None = None,
+    weight_B: torch.Tensor | None = None,
     chunk_size: int = 64,
     normalizer: float | None = None,
-) -> DivergenceResult:
-    """Per-token full-vocabulary reverse KL, KL(student || teacher), summed over masked positions.
+) -> ObjectiveResult:
+    """The objective summed over masked positions, computed chunk by chunk along T:
 
-        loss = sum_{b,t} m[b,t] * sum_v q[b,t,v] (log q[b,t,v] - log p[b,t,v]) / normalizer
+        loss = sum_{b,t} w[b] * m[b,t] * l[b,t] / normalizer
 
-    with ``q = softmax(student_head(h_s))`` and ``p = softmax(teacher_head(h_t))``; ``normalizer`` defaults to the
-    number of masked positions. Shapes: hidden states ``[B, T, H]`` (the teacher's width may differ), heads map
-    ``[..., H] -> [..., V]``, ``mask_B_T`` is 0/1. The sequence is cut into chunks of ``chunk_size`` positions and each
-    chunk's logits are recomputed in the backward pass (activation checkpointing), so neither model's
-    ``[B, T, V]`` fp32 logits exist whole: peak extra memory is ``O(B * chunk_size * V)``. The teacher is run under
-    ``no_grad``; the gradient flows only through the student's hidden states and head.
+    with ``l`` the per-token divergence (:func:`token_divergence`) for full-distribution losses, or the
+    policy-gradient loss with advantage ``a[b,t] = sg(log p - log q_old) + seq_adv[b]`` for ``sampled_token``. A
+    full-distribution loss with ``seq_adv_B`` (the verifier reward, GKD+RL) adds the policy-gradient term with
+    advantage ``seq_adv[b]``. ``normalizer`` defaults to the number of masked positions; ``weight_B`` (per-route
+    weights) to 1.
+
+    Shapes: hidden states ``[B, T, H]`` (the teacher's width may differ), heads map ``[..., H] -> [..., V]``,
+    ``mask_B_T`` 0/1. Each chunk's logits are recomputed in the backward pass (activation checkpointing), so neither
+    model's ``[B, T, V]`` fp32 logits exist whole: peak extra memory is ``O(B * chunk_size * V)``. The teacher runs
+    under ``no_grad``; the gradient flows only through the student's hidden states and head.
     """
     if student_hidden_B_T_H.shape[:2] != mask_B_T.shape or teacher_hidden_B_T_Ht.shape[:2] != mask_B_T.shape:
         raise ValueError(
@@ -62,28 +273,61 @@ def chunked_reverse_kl(
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    needs_tokens = obj.policy_gradient or seq_adv_B is not None
+    if needs_tokens and tokens is None:
+        raise ValueError(f"loss {obj.loss!r} with a sequence advantage needs TokenInputs (targets and old log-probs)")
     mask_B_T = mask_B_T.to(torch.float32)
     B, T = mask_B_T.shape
+    weight_B = mask_B_T.new_ones(B) if weight_B is None else weight_B.to(mask_B_T)
+    seq_adv_B = mask_B_T.new_zeros(B) if seq_adv_B is None else seq_adv_B.to(mask_B_T)
 
-    def chunk_kl(hs_B_C_H: torch.Tensor, ht_B_C_H: torch.Tensor, m_B_C: torch.Tensor) -> torch.Tensor:
+    def chunk(hs_B_C_H, ht_B_C_H, m_B_C, *tok_B_C):
         with torch.no_grad():
-            teacher_logits = teacher_head(ht_B_C_H)
-        kl_B_C = reverse_kl_per_token(
-            student_head(hs_B_C_H).flatten(0, 1), teacher_logits.flatten(0, 1)
-        ).view(m_B_C.shape)
-        return (kl_B_C * m_B_C).sum(-1)
+            zt_B_C_V = teacher_head(ht_B_C_H).float()
+        zs_B_C_V = student_head(hs_B_C_H).float()
+        logq_B_C_V = F.log_softmax(zs_B_C_V / obj.temperature, dim=-1)
+        logp_B_C_V = F.log_softmax(zt_B_C_V / obj.temperature, dim=-1)
+        rkl_B_C = kl(logq_B_C_V.detach(), logp_B_C_V)
+        if obj.policy_gradient:
+            per_tok_B_C = torch.zeros_like(m_B_C)
+        else:
+            per_tok_B_C = token_divergence(zs_B_C_V.flatten(0, 1), zt_B_C_V.flatten(0, 1), obj).view(m_B_C.shape)
+        if needs_tokens:
+            targets_B_C, logq_beh_B_C, logq_old_B_C = tok_B_C
+            # Padding may hold -inf log-probs; masked positions must not turn the gradient into NaN.
+            logq_beh_B_C = logq_beh_B_C.masked_fill(m_B_C == 0, 0.0)
+            logq_old_B_C = logq_old_B_C.masked_fill(m_B_C == 0, 0.0)
+            adv_B_C = seq_adv_B[:, None].expand_as(m_B_C)
+            if obj.policy_gradient:
+                logp_x_B_C = logp_B_C_V.gather(-1, targets_B_C[..., None]).squeeze(-1)
+                adv_B_C = adv_B_C + sampled_token_advantage(logp_x_B_C, logq_old_B_C)
+            logq_x_B_C = F.log_softmax(zs_B_C_V / obj.sample_temperature, dim=-1).gather(-1, targets_B_C[..., None]).squeeze(-1)
+            per_tok_B_C = per_tok_B_C + policy_gradient_loss(
+                logq_x_B_C, logq_beh_B_C, adv_B_C, obj.correction, obj.clip_eps, obj.ratio_cap
+            )
+        return (per_tok_B_C * m_B_C).sum(-1), (rkl_B_C * m_B_C).sum(-1)
 
-    kl_sum_B = student_hidden_B_T_H.new_zeros(B, dtype=torch.float32)
+    loss_sum_B = mask_B_T.new_zeros(B)
+    rkl_sum_B = mask_B_T.new_zeros(B)
     for start in range(0, T, chunk_size):
         sl = slice(start, min(start + chunk_size, T))
         m_B_C = mask_B_T[:, sl]
         if not bool(m_B_C.any()):
             continue
-        args = (student_hidden_B_T_H[:, sl], teacher_hidden_B_T_Ht[:, sl].detach(), m_B_C)
+        args = [student_hidden_B_T_H[:, sl], teacher_hidden_B_T_Ht[:, sl].detach(), m_B_C]
+        if needs_tokens:
+            args += [tokens.targets_B_T[:, sl], tokens.logq_behaviour_B_T[:, sl], tokens.logq_old_B_T[:, sl]]
         if torch.is_grad_enabled() and student_hidden_B_T_H.requires_grad:
-            kl_sum_B = kl_sum_B + checkpoint(chunk_kl, *args, use_reentrant=False)
+            l_B, r_B = checkpoint(chunk, *args, use_reentrant=False)
         else:
-            kl_sum_B = kl_sum_B + chunk_kl(*args)
+            l_B, r_B = chunk(*args)
+        loss_sum_B = loss_sum_B + l_B
+        rkl_sum_B = rkl_sum_B + r_B.detach()
     tokens_B = mask_B_T.sum(-1)
     denom = float(normalizer) if normalizer is not None else max(float(tokens_B.sum()), 1.0)
-    return DivergenceResult(loss=kl_sum_B.sum() / denom, kl_sum_B=kl_sum_B.detach(), tokens_B=tokens_B)
+    return ObjectiveResult(
+        loss=(loss_sum_B * weight_B).sum() / denom,
+        loss_sum_B=loss_sum_B.detach(),
+        reverse_kl_sum_B=rkl_sum_B,
+        tokens_B=tokens_B,
+    )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import random
+import time
+from dataclasses import dataclass, field
 
 import torch
 from prefect import task
@@ -13,8 +14,9 @@ from tqdm.auto import tqdm
 from tasks.log import say
 from tasks.config import MergeConfig
 from tasks.data import eval_sets, load_prompts, max_new_tokens_for, rows_by_route
-from tasks.distill import opd_step
-from tasks.evaluate import RouteScore, evaluate_route, evaluate_routes, retention
+from tasks.distill import BatchProducer, OffPolicyData, PromptSampler, StepStats, score_with_teachers, update_step
+from tasks.evaluate import GateResult, RouteScore, compliance_gate, evaluate_route, evaluate_routes, retention
+from tasks.losses import Objective
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -49,77 +51,199 @@ def _load_teacher(rec: TeacherRecord, student_fp: str) -> torch.nn.Module:
     return model.eval()
 
 
+class GateBlocked(RuntimeError):
+    """The student's own samples are not yet well-formed enough for on-policy distillation to teach anything."""
+
+
+@dataclass
+class _Window:
+    """Per-route sums between two evaluations."""
+
+    sums: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, st: StepStats, on_policy: bool) -> None:
+        for r in st.sequences:
+            w = self.sums.setdefault(r, dict.fromkeys(("div", "kl", "tok", "seq", "trunc", "rew", "rew_seq"), 0.0))
+            w["div"] += st.loss_sum.get(r, 0.0)
+            w["kl"] += st.kl_sum.get(r, 0.0)
+            w["tok"] += st.kl_tokens.get(r, 0.0)
+            w["seq"] += st.sequences[r]
+            w["trunc"] += st.truncated[r]
+            if on_policy:  # the verifier metric that does not come from the teacher: the student's own samples
+                w["rew"] += st.reward_sum[r]
+                w["rew_seq"] += st.sequences[r]
+
+    def metrics(self) -> dict[str, float]:
+        m: dict[str, float] = {}
+        for r, w in self.sums.items():
+            m[f"divergence/{r}"] = w["div"] / max(w["tok"], 1.0)
+            m[f"reverse_kl/{r}"] = w["kl"] / max(w["tok"], 1.0)
+            m[f"truncated/{r}"] = w["trunc"] / max(w["seq"], 1.0)
+            if w["rew_seq"]:
+                m[f"sample_accuracy/{r}"] = w["rew"] / w["rew_seq"]
+        for key in ("divergence", "reverse_kl"):
+            vals = [m[f"{key}/{r}"] for r in self.sums]
+            if vals:
+                m[f"{key}/mean"] = sum(vals) / len(vals)
+        self.sums = {}
+        return m
+
+
+class MergeLoop:
+    """State shared by the merge's stages: the student, its teachers, the prompt sampler, the global step (MLflow's
+    x-axis across the cold start and the on-policy stage) and the student version (optimizer steps taken)."""
+
+    def __init__(self, cfg: MergeConfig, world_path: str, router: Router, run_id: str):
+        opd = self.opd = cfg.opd
+        torch.manual_seed(opd.seed)
+        self.run_id, self.router, self.routes = run_id, router, cfg.world.routes
+        self.tok = load_tokenizer(cfg.student_uri)
+        student_fp = tokenizer_fingerprint(self.tok)
+        self.student = load_model(cfg.student_uri).eval()
+        self.teachers = {rec.name: _load_teacher(rec, student_fp) for rec in router.teachers()}
+        self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
+        prompts = load_prompts(world_path)
+        default_cap = opd.max_new_tokens or max_new_tokens_for(self.tok, prompts["train"]["completion"])
+        self.caps = {r: opd.route_max_new_tokens.get(r, default_cap) for r in self.routes}
+        by_route = rows_by_route(prompts["train"])
+        self.sampler = PromptSampler({r: (by_route[r]["prompt"], by_route[r]["problem"]) for r in self.routes}, opd.seed)
+        gold = dict(zip(prompts["train"]["prompt"], prompts["train"]["completion"]))
+        self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
+                                       opd.sample_temperature)
+        self.eval_sets = {r: s for r, s in eval_sets(world_path).items() if r in self.routes}
+        self.step = 0
+        self.version = 0
+        self.window = _Window()
+        self.teacher_acc: dict[str, float] = {}
+        self.scores: dict[str, RouteScore] = {}
+
+    def evaluate(self, model) -> dict[str, RouteScore]:
+        return evaluate_routes(model, self.tok, self.eval_sets, self.caps)
+
+    def baseline(self) -> dict[str, RouteScore]:
+        n_eval = sum(len(v[0]) for v in self.eval_sets.values())
+        say(f"evaluating {len(self.teachers)} teachers and the initial student on {n_eval} held-out prompts")
+        self.teacher_acc = {
+            r: evaluate_route(self.teachers[self.teacher_of[r]], self.tok, r, *self.eval_sets[r], self.caps[r]).accuracy
+            for r in self.routes
+        }
+        base = self.scores = self.evaluate(self.student)
+        log_metrics(self.run_id, {**{f"teacher_accuracy/{r}": a for r, a in self.teacher_acc.items()},
+                                  **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
+                                  **route_metrics(base, self.teacher_acc)}, 0)
+        return base
+
+    def stage(self, name: str, steps: int, lr: float, lmbda: float, objectives: dict[str, Objective]) -> None:
+        """``steps`` optimizer steps with their own warmup + cosine schedule; each batch is on-policy with
+        probability ``lmbda``; each batch serves ``updates_per_batch`` steps."""
+        opd = self.opd
+        optimizer, scheduler = make_optimizer(self.student, lr, 0.0, min(opd.warmup_steps, steps // 2), steps)
+        needs_logprobs = lmbda > 0 and (opd.reward_weight > 0 or any(o.policy_gradient for o in objectives.values()))
+        producer = BatchProducer(self.student, self.tok, self.sampler, self.offpolicy, self.caps, opd.batch_size,
+                                 opd.sample_temperature, opd.divergence_temperature, needs_logprobs,
+                                 opd.overlap_generation)
+        stage_id = {"cold_start": 1, "on_policy": 2}[name]
+        bar = tqdm(range(steps), desc=f"merge {name}", mininterval=2.0)
+        batch, hidden, uses = None, {}, opd.updates_per_batch
+        try:
+            for _ in bar:
+                t0 = time.perf_counter()
+                if uses == opd.updates_per_batch:
+                    batch = producer.next(lmbda, self.version)
+                    t_batch = time.perf_counter() - t0
+                    hidden = score_with_teachers(self.teachers, self.router.group(batch.routes), batch.rollout)
+                    uses = 0
+                    t_teacher = time.perf_counter() - t0 - t_batch
+                else:
+                    t_batch = t_teacher = 0.0
+                staleness = self.version - batch.version if batch.on_policy else 0
+                st = update_step(self.student, self.teachers, batch, hidden, objectives, optimizer, scheduler,
+                                 opd.chunk_size, opd.grad_clip, opd.route_weights, opd.reward_weight)
+                uses += 1
+                self.version += 1
+                self.step += 1
+                self.window.add(st, batch.on_policy)
+                m = {"train/loss": st.loss, "stage": stage_id, "rollout/on_policy": float(batch.on_policy),
+                     "rollout/staleness": float(staleness), "time/update": st.seconds["update"]}
+                if uses == 1:
+                    # Time the update waited for its batch (with overlap: only what the background did not hide).
+                    m.update({"time/generate": t_batch, "time/teacher": t_teacher,
+                              "rollout/generated": float(batch.generated)})
+                    if opd.overlap_generation:
+                        m["time/sync"] = producer.sync_seconds
+                if self.step % opd.eval_every == 0:
+                    m.update(self._eval_metrics())
+                log_metrics(self.run_id, m, self.step)
+                bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
+        finally:
+            producer.close()
+
+    def _eval_metrics(self) -> dict[str, float]:
+        self.scores = self.evaluate(self.student)
+        m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc)}
+        say(f"step {self.step}: mean retention {m['retention/mean']:.3f}, "
+            + ", ".join(f"{r} {m[f'retention/{r}']:.2f}" for r in self.routes))
+        return m
+
+    def gate(self) -> GateResult:
+        prompts = {r: self.eval_sets[r][0][: self.opd.gate_samples] for r in self.routes}
+        res = compliance_gate(self.student, self.tok, prompts, self.caps, self.opd.gate_threshold,
+                              self.opd.sample_temperature)
+        log_metrics(self.run_id, {"gate/passed": float(res.passed),
+                                  **{f"gate/eos_rate/{r}": v for r, v in res.eos_rate.items()},
+                                  **{f"gate/format_rate/{r}": v for r, v in res.format_rate.items()}}, self.step)
+        say(f"cold-start gate {'passed' if res.passed else 'FAILED'} at step {self.step}: {res.describe()}")
+        return res
+
+    def finish(self) -> None:
+        """Evaluate at the last step unless that just happened, and log the window."""
+        if self.step % self.opd.eval_every:
+            log_metrics(self.run_id, self._eval_metrics(), self.step)
+
+
 @task(name="distill", cache_policy=NO_CACHE)
 def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) -> dict:
-    """OPD from ``cfg.student_uri`` with ``router``'s teachers; logs per-route metrics to MLflow run ``run_id``.
+    """Merge the routed teachers into ``cfg.student_uri``: an optional off-policy cold start (supervised KD on
+    teacher samples or gold completions), the compliance gate, then on-policy distillation with each route's
+    objective; per-route metrics go to MLflow run ``run_id``.
 
     Returns references only: the MLflow run id, the student checkpoint URI and the retention table rows.
     """
     opd = cfg.opd
-    torch.manual_seed(opd.seed)
-    rng = random.Random(opd.seed)
+    loop = MergeLoop(cfg, world_path, router, run_id)
+    base_scores = loop.baseline()
+    routes = loop.routes
+    if opd.cold_start_steps:
+        say(f"cold start: {opd.cold_start_steps} steps of {opd.cold_start_loss} on {opd.off_policy_source} completions")
+        loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0,
+                   {r: opd.cold_start_objective() for r in routes})
+    if opd.gate_threshold > 0:
+        result = loop.gate()
+        for _ in range(opd.gate_retries if opd.cold_start_steps else 0):
+            if result.passed:
+                break
+            loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0,
+                       {r: opd.cold_start_objective() for r in routes})
+            result = loop.gate()
+        if not result.passed:
+            hint = ("more opd.cold_start_steps or opd.gate_retries" if opd.cold_start_steps
+                    else "an off-policy cold start (opd.cold_start_steps > 0)")
+            raise GateBlocked(
+                f"the student's own samples fail the compliance gate on {result.failing}: {result.describe()}. "
+                f"On-policy distillation cannot teach what the student never samples; try {hint}, or lower "
+                "opd.gate_threshold"
+            )
+    loop.stage("on_policy", opd.steps, opd.lr, opd.lmbda, {r: opd.objective(r) for r in routes})
+    loop.finish()
 
-    tok = load_tokenizer(cfg.student_uri)
-    student_fp = tokenizer_fingerprint(tok)
-    student = load_model(cfg.student_uri).eval()
-    records = router.teachers()
-    teachers = {rec.name: _load_teacher(rec, student_fp) for rec in records}
-    teacher_of = {r: router.teacher_for(r).name for r in cfg.world.routes}
-
-    prompts = load_prompts(world_path)
-    train_by_route = {r: d["prompt"] for r, d in rows_by_route(prompts["train"]).items()}
-    eval_by_route = eval_sets(world_path)
-    routes = cfg.world.routes
-    cap = opd.max_new_tokens or max_new_tokens_for(tok, prompts["train"]["completion"])
-
-    def evaluate(model) -> dict[str, RouteScore]:
-        return evaluate_routes(model, tok, {r: eval_by_route[r] for r in routes}, cap)
-
-    n_eval = sum(len(v[0]) for v in eval_by_route.values())
-    say(f"evaluating {len(teachers)} teachers and the initial student on {n_eval} held-out prompts")
-    teacher_scores = {r: evaluate_route(teachers[teacher_of[r]], tok, r, *eval_by_route[r], cap) for r in routes}
-    teacher_acc = {r: s.accuracy for r, s in teacher_scores.items()}
-    base_scores = evaluate(student)
-    log_metrics(run_id, {**{f"teacher_accuracy/{r}": a for r, a in teacher_acc.items()},
-                         **{f"base_accuracy/{r}": s.accuracy for r, s in base_scores.items()}}, 0)
-    log_metrics(run_id, route_metrics(base_scores, teacher_acc), 0)
-
-    optimizer, scheduler = make_optimizer(student, opd.lr, 0.0, opd.warmup_steps, opd.steps)
-    window: dict[str, dict[str, float]] = {}
-    scores = base_scores
-    bar = tqdm(range(1, opd.steps + 1), desc="OPD merge", mininterval=2.0)
-    for step in bar:
-        batch_routes = [routes[rng.randrange(len(routes))] for _ in range(opd.batch_size)]
-        batch_prompts = [train_by_route[r][rng.randrange(len(train_by_route[r]))] for r in batch_routes]
-        st = opd_step(student, teachers, tok, batch_prompts, batch_routes, router.group(batch_routes), optimizer,
-                      scheduler, cap, opd.sample_temperature, opd.chunk_size, opd.grad_clip)
-        for r in st.kl_sum:
-            w = window.setdefault(r, {"kl": 0.0, "tok": 0.0, "seq": 0.0, "trunc": 0.0})
-            w["kl"] += st.kl_sum[r]
-            w["tok"] += st.kl_tokens[r]
-            w["seq"] += st.sequences[r]
-            w["trunc"] += st.truncated[r]
-        step_metrics = {"train/loss": st.loss, **{f"time/{k}": v for k, v in st.seconds.items()}}
-        if step % opd.eval_every == 0 or step == opd.steps:
-            scores = evaluate(student)
-            for r, w in window.items():
-                step_metrics[f"reverse_kl/{r}"] = w["kl"] / max(w["tok"], 1.0)
-                step_metrics[f"truncated/{r}"] = w["trunc"] / max(w["seq"], 1.0)
-            step_metrics["reverse_kl/mean"] = sum(step_metrics[f"reverse_kl/{r}"] for r in window) / len(window)
-            window = {}
-            step_metrics.update(route_metrics(scores, teacher_acc))
-            say(f"step {step}: mean retention {step_metrics['retention/mean']:.3f}, "
-                + ", ".join(f"{r} {step_metrics[f'retention/{r}']:.2f}" for r in routes))
-        log_metrics(run_id, step_metrics, step)
-        bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
-
+    scores = loop.scores
     rows = [
-        {"route": r, "teacher": teacher_of[r], "base_accuracy": base_scores[r].accuracy,
-         "teacher_accuracy": teacher_acc[r], "student_accuracy": scores[r].accuracy,
-         "retention": retention(scores[r].accuracy, teacher_acc[r])}
+        {"route": r, "teacher": loop.teacher_of[r], "base_accuracy": base_scores[r].accuracy,
+         "teacher_accuracy": loop.teacher_acc[r], "student_accuracy": scores[r].accuracy,
+         "retention": retention(scores[r].accuracy, loop.teacher_acc[r])}
         for r in routes
     ]
-    out = save_model(student, tok, models_dir() / "merged" / run_id)
+    out = save_model(loop.student, loop.tok, models_dir() / "merged" / run_id)
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
     log_retention(run_id, rows, out)
     end_run(run_id, {"merged_student_uri": str(out)})

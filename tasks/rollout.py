@@ -71,13 +71,56 @@ def generate(
     return Rollout(out_B_T, attn_B_T, full_resp_B_T, truncated_B, P)
 
 
+def cap_responses(rollout: Rollout, caps_B: list[int], eos_id: int) -> Rollout:
+    """Cut each row's response at its own cap (per-route ``max_new_tokens`` in one mixed batch generated to the
+    largest cap): tokens past the cap leave both masks, and a row without EOS inside its cap counts as truncated."""
+    R = rollout.sequences_B_T.shape[1] - rollout.prompt_width
+    if all(c >= R for c in caps_B):
+        return rollout
+    pos_R = torch.arange(R)
+    keep_B_R = (pos_R[None, :] < torch.tensor(caps_B)[:, None]).long()
+    resp_B_R = rollout.response_mask_B_T[:, rollout.prompt_width:] * keep_B_R
+    gen_B_R = rollout.sequences_B_T[:, rollout.prompt_width:]
+    truncated_B = ~((gen_B_R == eos_id) & resp_B_R.bool()).any(-1)
+    P = rollout.prompt_width
+    return Rollout(
+        rollout.sequences_B_T,
+        torch.cat([rollout.attention_mask_B_T[:, :P], resp_B_R], dim=1),
+        torch.cat([torch.zeros_like(rollout.attention_mask_B_T[:, :P]), resp_B_R], dim=1),
+        truncated_B,
+        P,
+    )
+
+
+def rollout_from_responses(tok: PreTrainedTokenizerBase, prompts: list[str], responses: list[list[int]]) -> Rollout:
+    """A :class:`Rollout` over given response token ids (off-policy data: teacher samples or a dataset column), in
+    the same layout as :func:`generate`: left-padded prompts, then responses right-padded with the pad token."""
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    R = max(1, max(map(len, responses)))
+    gen_B_R = torch.full((len(responses), R), tok.pad_token_id, dtype=torch.long)
+    for i, ids in enumerate(responses):
+        gen_B_R[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    lens_B = torch.tensor([len(ids) for ids in responses])
+    resp_B_R = (torch.arange(R)[None, :] < lens_B[:, None]).long()
+    truncated_B = ~((gen_B_R == tok.eos_token_id) & resp_B_R.bool()).any(-1)
+    P = enc.input_ids.shape[1]
+    return Rollout(
+        torch.cat([enc.input_ids, gen_B_R], dim=1),
+        torch.cat([enc.attention_mask, resp_B_R], dim=1),
+        torch.cat([torch.zeros_like(enc.attention_mask), resp_B_R], dim=1),
+        truncated_B,
+        P,
+    )
+
+
+def response_ids(rollout: Rollout) -> list[list[int]]:
+    """Each row's response token ids up to and including its first EOS (the inverse of :func:`rollout_from_responses`)."""
+    return [seq_T[m_T.bool()].tolist() for seq_T, m_T in zip(rollout.sequences_B_T, rollout.response_mask_B_T)]
+
+
 def decode_responses(tok: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
     """Response text up to (not including) the first EOS."""
-    out = []
-    for seq_T, m_T in zip(rollout.sequences_B_T, rollout.response_mask_B_T):
-        ids = seq_T[m_T.bool()].tolist()
-        out.append(tok.decode(ids, skip_special_tokens=True))
-    return out
+    return [tok.decode(ids, skip_special_tokens=True) for ids in response_ids(rollout)]
 
 
 def forward_hidden(model: PreTrainedModel, sequences_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor) -> torch.Tensor:
@@ -89,3 +132,21 @@ def forward_hidden(model: PreTrainedModel, sequences_B_T: torch.Tensor, attentio
         use_cache=False,
     )
     return out.last_hidden_state
+
+
+@torch.no_grad()
+def token_logprobs(
+    model: PreTrainedModel, rollout: Rollout, temperatures: tuple[float, ...], chunk_size: int = 64
+) -> list[torch.Tensor]:
+    """Log-probs of each next token under ``model`` at each temperature: ``[B, T-1]`` tensors aligned with the hidden
+    positions ``0..T-2`` (position t scores token t+1). The head runs chunk by chunk, so no ``[B, T, V]`` exists."""
+    hidden_B_T_H = forward_hidden(model, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
+    targets_B_T = rollout.sequences_B_T[:, 1:]
+    head = model.get_output_embeddings()
+    outs: list[list[torch.Tensor]] = [[] for _ in temperatures]
+    for start in range(0, hidden_B_T_H.shape[1], chunk_size):
+        z_B_C_V = head(hidden_B_T_H[:, start:start + chunk_size]).float()
+        tgt_B_C_1 = targets_B_T[:, start:start + chunk_size, None]
+        for out, temp in zip(outs, temperatures):
+            out.append(torch.log_softmax(z_B_C_V / temp, dim=-1).gather(-1, tgt_B_C_1).squeeze(-1))
+    return [torch.cat(o, dim=1) for o in outs]

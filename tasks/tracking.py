@@ -99,13 +99,26 @@ def retention_figure(rows: list[dict[str, Any]], title: str):
     return fig
 
 
+def log_table(run_id: str, records: list[dict[str, Any]], artifact_file: str) -> None:
+    """Rows of dicts as an MLflow table artifact (shown by the UI's artifact view and comparable across runs)."""
+    MlflowClient(tracking_uri()).log_table(
+        run_id, data={k: [row[k] for row in records] for k in records[0]}, artifact_file=artifact_file
+    )
+
+
+def log_figure(run_id: str, fig, artifact_file: str) -> None:
+    import matplotlib.pyplot as plt
+
+    MlflowClient(tracking_uri()).log_figure(run_id, fig, artifact_file)
+    plt.close(fig)
+
+
 def log_retention(run_id: str, rows: list[dict[str, Any]], student_dir: str | os.PathLike) -> None:
     """The end of a merge run: the retention table, its bar chart and the student checkpoint as artifacts."""
-    client = MlflowClient(tracking_uri())
-    client.log_table(run_id, data={k: [row[k] for row in rows] for k in rows[0]}, artifact_file="retention.json")
-    fig = retention_figure(rows, f"OPD merge {run_id[:8]}: accuracy per route, retention above the student bars")
-    client.log_figure(run_id, fig, "retention.png")
-    client.log_artifacts(run_id, str(student_dir), "student")
+    log_table(run_id, rows, "retention.json")
+    log_figure(run_id, retention_figure(rows, f"OPD merge {run_id[:8]}: accuracy per route, retention above the "
+                                              "student bars"), "retention.png")
+    MlflowClient(tracking_uri()).log_artifacts(run_id, str(student_dir), "student")
 
 
 def format_retention_table(rows: list[dict[str, Any]]) -> str:

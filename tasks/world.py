@@ -59,6 +59,7 @@ class Domain:
     answer: Callable[[str], str]
     scratchpad: Callable[[str], str]
     problem_re: re.Pattern
+    answer_re: re.Pattern
 
 
 def _sample_shift(rng: random.Random, min_len: int, max_len: int) -> str:
@@ -102,6 +103,7 @@ DOMAINS: dict[str, Domain] = {
         answer=_answer_shift,
         scratchpad=_scratch_shift,
         problem_re=re.compile(r"^[1-9]:[a-z]{1,40}$"),
+        answer_re=re.compile(r"^[a-z]+$"),
     ),
     "rev": Domain(
         name="rev",
@@ -109,6 +111,7 @@ DOMAINS: dict[str, Domain] = {
         answer=lambda p: p[::-1],
         scratchpad=lambda p: str(len(p)),
         problem_re=re.compile(r"^[a-z]{1,40}$"),
+        answer_re=re.compile(r"^[a-z]+$"),
     ),
     "sort": Domain(
         name="sort",
@@ -116,6 +119,7 @@ DOMAINS: dict[str, Domain] = {
         answer=lambda p: "".join(sorted(p)),
         scratchpad=_scratch_sort,
         problem_re=re.compile(r"^\d{1,40}$"),
+        answer_re=re.compile(r"^\d+$"),
     ),
 }
 
@@ -147,10 +151,44 @@ def route_tags(route: Route) -> tuple[str, str]:
     return f"<{route.domain}>", f"<{route.budget}>"
 
 
-def format_prompt(route: Route, problem: str, bos: str = "<bos>") -> str:
-    """``<bos><sort><high>5203=``: what the student and every teacher see before the completion."""
+DEFAULT_TEMPLATE = "{bos}{domain}{budget}{problem}" + PROMPT_END
+TEMPLATE_FIELDS = ("bos", "domain", "budget", "problem")
+
+
+def check_template(template: str) -> str:
+    """A prompt template: Python format fields from :data:`TEMPLATE_FIELDS` ({problem} required) and literal text
+    the character tokenizer knows (:data:`CHARSET`), ending with the prompt terminator ``=``."""
+    import string
+
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"template {template!r}: {e}") from None
+    fields, literal = set(), ""
+    for text, name, spec, conv in parts:
+        literal += text
+        if name is None:
+            continue
+        if name not in TEMPLATE_FIELDS:
+            raise ValueError(f"template {template!r}: unknown field {{{name}}}; allowed: {list(TEMPLATE_FIELDS)}")
+        if spec or conv:
+            raise ValueError(f"template {template!r}: field {{{name}}} takes no format spec or conversion")
+        fields.add(name)
+    if "problem" not in fields:
+        raise ValueError(f"template {template!r} must contain {{problem}}")
+    bad = sorted(set(literal) - set(CHARSET))
+    if bad:
+        raise ValueError(f"template {template!r}: characters {bad} are not in the tokenizer's charset {CHARSET!r}")
+    if not template.endswith(PROMPT_END):
+        raise ValueError(f"template {template!r} must end with {PROMPT_END!r} (where the completion starts)")
+    return template
+
+
+def format_prompt(route: Route, problem: str, bos: str = "<bos>", template: str = DEFAULT_TEMPLATE) -> str:
+    """``<bos><sort><high>5203=`` with the default template: what the student and every teacher see before the
+    completion. A budget's template (``world.budget_templates``) may reword it, e.g. ``{bos}{domain}{problem}x=``."""
     d, b = route_tags(route)
-    return f"{bos}{d}{b}{problem}{PROMPT_END}"
+    return template.format(bos=bos, domain=d, budget=b, problem=problem)
 
 
 def gold_completion(route: Route, problem: str) -> str:
@@ -170,6 +208,16 @@ def extract_answer(completion: str) -> str:
 def verify(route: Route, problem: str, completion: str) -> bool:
     """True when the completion's final answer is correct for the problem (computed from the problem itself)."""
     return extract_answer(completion) == domain_of(route).answer(problem)
+
+
+def format_ok(route: Route, completion: str) -> bool:
+    """True when a completion has the route's shape, right or wrong: at the ``high`` budget a non-empty scratchpad,
+    one separator and an answer; at ``low`` the answer alone; the answer in the domain's alphabet."""
+    dom = domain_of(route)
+    if route.budget == "high":
+        scratch, sep, answer = completion.partition(ANSWER_SEP)
+        return bool(scratch) and bool(sep) and ANSWER_SEP not in answer and bool(dom.answer_re.match(answer))
+    return bool(dom.answer_re.match(completion))
 
 
 def sample_problems(route: Route, n: int, seed: int, min_len: int, max_len: int, exclude: set[str] | None = None) -> list[str]:

@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from tasks.distill import opd_step, score_with_teachers
-from tasks.losses import chunked_reverse_kl
+from tasks.losses import Objective, chunked_objective
 from tasks.models import create_model
 from tasks.rollout import decode_responses, forward_hidden, generate, position_ids_from_mask, response_mask
 from tasks.tokenizer import build_char_tokenizer
 
 PROMPTS = ["<bos><shift><low>1:ab=", "<bos><rev><high>abcdefgh=", "<bos><sort><low>5203="]
+PROBLEMS = ["1:ab", "abcdefgh", "5203"]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +66,12 @@ def test_generate_returns_consistent_masks(tok):
         assert len(text) == sum(i not in special for i in ids)  # one character per non-special token
 
 
-def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok):
+@pytest.mark.parametrize("loss", ["reverse_kl", "forward_kl", "jsd", "skew_reverse_kl", "sampled_token"])
+def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok, loss):
     torch.manual_seed(0)
     student, teacher = tiny(tok, 1), tiny(tok, 2).requires_grad_(False).eval()
     teacher_params = [p.clone() for p in teacher.parameters()]
-    prompts, routes = PROMPTS * 8, ["shift-low", "rev-high", "sort-low"] * 8
+    prompts, routes, problems = PROMPTS * 8, ["shift-low", "rev-high", "sort-low"] * 8, PROBLEMS * 8
     groups = {"t": list(range(len(prompts)))}
     opt = torch.optim.AdamW(student.parameters(), lr=3e-3)
 
@@ -79,12 +81,13 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok):
         with torch.no_grad():
             hs = forward_hidden(student, ro.sequences_B_T, ro.attention_mask_B_T)[:, :-1]
             ht = score_with_teachers({"t": teacher}, groups, ro)["t"][1][:, :-1]
-            return chunked_reverse_kl(hs, ht, student.get_output_embeddings(), teacher.get_output_embeddings(),
-                                      ro.loss_mask_B_T()).loss.item()
+            return chunked_objective(hs, ht, student.get_output_embeddings(), teacher.get_output_embeddings(),
+                                     ro.loss_mask_B_T(), Objective()).loss.item()
 
     before = measured_kl()
     for _ in range(40):
-        stats = opd_step(student, {"t": teacher}, tok, prompts, routes, groups, opt, None, max_new_tokens=6)
+        stats = opd_step(student, {"t": teacher}, tok, prompts, routes, problems, groups, opt, None, max_new_tokens=6,
+                         objective=Objective(loss=loss))
     after = measured_kl()
     assert after < 0.5 * before, (before, after)
     assert set(stats.kl_sum) == {"shift-low", "rev-high", "sort-low"}

@@ -95,3 +95,25 @@ def test_user_prompt_file_replaces_generated_prompts(tmp_path):
         load_prompt_file(bad, Route.parse("shift-low"))
     with pytest.raises(ValueError, match="not in routes"):
         WorldConfig(routes=["shift-low"], prompt_files={"rev-low": str(f)})
+
+
+def test_budget_templates_reword_prompts_and_are_validated(tmp_path):
+    cfg = WorldConfig(routes=["rev-low", "rev-high"], train_size=20, eval_size=5,
+                      budget_templates={"high": "{bos}{domain}{problem}x=", "low": "{bos}{domain}{budget}{problem}="})
+    ds = load_prompts(build_world(cfg, root=tmp_path))
+    for row in ds["train"]:
+        if row["route"] == "rev-high":
+            assert row["prompt"] == f"<bos><rev>{row['problem']}x="
+        else:
+            assert row["prompt"] == f"<bos><rev><low>{row['problem']}="
+    ids = build_char_tokenizer()(ds["train"][0]["prompt"], add_special_tokens=False)["input_ids"]
+    assert 3 not in ids  # no <unk>: every literal character is in the tokenizer
+    for bad, message in [
+        ({"mid": "{problem}="}, "unknown budget|names budget"),
+        ({"high": "{bos}{domain}="}, "must contain {problem}"),
+        ({"high": "{bos}{problem}"}, "must end with"),
+        ({"high": "Q: {problem}="}, "not in the tokenizer's charset"),
+        ({"high": "{bos}{route}{problem}="}, "unknown field {route}"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            WorldConfig(routes=["rev-high"], budget_templates=bad)

@@ -1,0 +1,263 @@
+"""On-policy mechanics on tiny real models: per-route caps, off-policy batches (GKD's lambda), behaviour log-probs,
+the compliance gate, per-route weights and objectives, verifier advantages, and overlapped generation."""
+
+import pytest
+import torch
+
+from tasks.distill import (
+    BatchProducer,
+    OffPolicyData,
+    PromptSampler,
+    sample_batch,
+    score_with_teachers,
+    sequence_advantages,
+    update_step,
+)
+from tasks.evaluate import compliance_gate
+from tasks.losses import Objective, chunked_objective
+from tasks.models import create_model
+from tasks.rollout import (
+    cap_responses,
+    forward_hidden,
+    generate,
+    position_ids_from_mask,
+    response_ids,
+    rollout_from_responses,
+    token_logprobs,
+)
+from tasks.tokenizer import build_char_tokenizer
+from tasks.world import Route, format_prompt, gold_completion
+
+ROUTES = ["shift-low", "rev-high", "sort-low"]
+PROBLEMS = {"shift-low": ["1:ab", "2:xyz", "3:abc"], "rev-high": ["abcd", "qwe", "zz"], "sort-low": ["5203", "91", "777"]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def tiny(tok, seed):
+    return create_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=seed).eval()
+
+
+def train_sets():
+    return {r: ([format_prompt(Route.parse(r), p) for p in ps], ps) for r, ps in PROBLEMS.items()}
+
+
+def gold_map():
+    return {format_prompt(Route.parse(r), p): gold_completion(Route.parse(r), p) for r, ps in PROBLEMS.items() for p in ps}
+
+
+class CountingGenerate:
+    """Wraps a model's ``generate`` to count calls (the model itself runs for real)."""
+
+    def __init__(self, model):
+        self.calls, self._inner = 0, model.generate
+        model.generate = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._inner(*args, **kwargs)
+
+
+class FixedEOS(torch.nn.Module):
+    """An output head that forces the EOS logit to -1e9 (never EOS) or +1e9 (EOS at once)."""
+
+    def __init__(self, head, eos_id, value):
+        super().__init__()
+        self.head, self.eos_id, self.value = head, eos_id, value
+
+    def forward(self, h):
+        z = self.head(h)
+        z[..., self.eos_id] = self.value
+        return z
+
+
+def test_per_route_caps_cut_responses_and_mark_truncation(tok):
+    torch.manual_seed(0)
+    prompts = [format_prompt(Route.parse("rev-high"), "abcd")] * 4
+    ro = generate(tiny(tok, 0), tok, prompts, max_new_tokens=8)
+    capped = cap_responses(ro, [8, 3, 1, 8], tok.eos_token_id)
+    lengths = capped.response_lengths_B.tolist()
+    assert lengths[1] <= 3 and lengths[2] <= 1
+    assert lengths[0] == ro.response_lengths_B[0] and lengths[3] == ro.response_lengths_B[3]
+    for row in range(4):
+        ids = response_ids(capped)[row]
+        assert bool(capped.truncated_B[row]) == (tok.eos_token_id not in ids)
+    assert torch.equal(capped.attention_mask_B_T[:, capped.prompt_width:], capped.response_mask_B_T[:, capped.prompt_width:])
+
+
+def test_rollout_from_responses_round_trips_a_generated_rollout(tok):
+    torch.manual_seed(1)
+    model = tiny(tok, 1)
+    prompts = [format_prompt(Route.parse(r), PROBLEMS[r][0]) for r in ROUTES]
+    ro = generate(model, tok, prompts, max_new_tokens=7)
+    rebuilt = rollout_from_responses(tok, prompts, response_ids(ro))
+    assert response_ids(rebuilt) == response_ids(ro)
+    assert torch.equal(rebuilt.truncated_B, ro.truncated_B)
+    mask_B_T = rebuilt.loss_mask_B_T()
+    # The same states: hidden states at the positions that predict response tokens agree.
+    h1 = forward_hidden(model, ro.sequences_B_T, ro.attention_mask_B_T)[:, :-1]
+    h2 = forward_hidden(model, rebuilt.sequences_B_T, rebuilt.attention_mask_B_T)[:, :-1]
+    for b in range(len(prompts)):
+        a = h1[b][ro.loss_mask_B_T()[b].bool()]
+        c = h2[b][mask_B_T[b].bool()]
+        assert torch.allclose(a, c, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_token_logprobs_match_a_full_forward_at_each_temperature(tok, temperature):
+    torch.manual_seed(2)
+    model = tiny(tok, 2)
+    prompts = [format_prompt(Route.parse(r), PROBLEMS[r][1]) for r in ROUTES]
+    ro = generate(model, tok, prompts, max_new_tokens=6, temperature=temperature)
+    (lp_B_T,) = token_logprobs(model, ro, (temperature,), chunk_size=3)
+    with torch.no_grad():
+        logits = model(input_ids=ro.sequences_B_T, attention_mask=ro.attention_mask_B_T,
+                       position_ids=position_ids_from_mask(ro.attention_mask_B_T)).logits[:, :-1]
+    ref = torch.log_softmax(logits / temperature, -1).gather(-1, ro.sequences_B_T[:, 1:, None]).squeeze(-1)
+    m = ro.loss_mask_B_T().bool()
+    assert torch.allclose(lp_B_T[m], ref[m], atol=1e-5)
+
+
+def _producer(tok, student, teacher, lmbda_source="teacher", overlap=False, seed=0):
+    teachers = {"t": teacher}
+    off = OffPolicyData(lmbda_source, tok, teachers, {r: "t" for r in ROUTES}, gold_map())
+    return BatchProducer(student, tok, PromptSampler(train_sets(), seed), off, {r: 8 for r in ROUTES}, batch_size=6,
+                         overlap=overlap), off
+
+
+def test_lambda_zero_uses_no_student_samples_and_caches_teacher_samples(tok):
+    student, teacher = tiny(tok, 3), tiny(tok, 4)
+    s_gen, t_gen = CountingGenerate(student), CountingGenerate(teacher)
+    producer, off = _producer(tok, student, teacher)
+    batches = [producer.next(0.0, version=v) for v in range(12)]
+    assert s_gen.calls == 0 and t_gen.calls >= 1
+    assert not any(b.on_policy for b in batches) and all(b.version == -1 for b in batches)
+    # 9 distinct prompts exist: each teacher sample is generated once, then served from the cache.
+    assert sum(b.generated for b in batches) == len(off.cache["t"]) <= 9
+    for b in batches:
+        assert response_ids(b.rollout) == [off.cache["t"][p] for p in _prompts_of(tok, b)]
+
+
+def _prompts_of(tok, batch):
+    texts = []
+    for seq_T, m_T in zip(batch.rollout.sequences_B_T, batch.rollout.attention_mask_B_T):
+        ids = seq_T[: batch.rollout.prompt_width][m_T[: batch.rollout.prompt_width].bool()].tolist()
+        texts.append("".join(tok.convert_ids_to_tokens(ids)))
+    return texts
+
+
+def test_lambda_one_uses_only_student_samples(tok):
+    student, teacher = tiny(tok, 3), tiny(tok, 4)
+    s_gen, t_gen = CountingGenerate(student), CountingGenerate(teacher)
+    producer, off = _producer(tok, student, teacher)
+    batches = [producer.next(1.0, version=v) for v in range(5)]
+    assert s_gen.calls == 5 and t_gen.calls == 0 and off.cache["t"] == {}
+    assert all(b.on_policy for b in batches) and [b.version for b in batches] == list(range(5))
+
+
+def test_lambda_half_mixes_and_dataset_source_serves_gold_completions(tok):
+    student, teacher = tiny(tok, 3), tiny(tok, 4)
+    producer, _ = _producer(tok, student, teacher, lmbda_source="dataset", seed=3)
+    batches = [producer.next(0.5, version=0) for _ in range(40)]
+    n_on = sum(b.on_policy for b in batches)
+    assert 10 <= n_on <= 30  # Binomial(40, 0.5): outside this range has probability < 0.2%
+    gold = gold_map()
+    for b in batches:
+        if not b.on_policy:
+            for prompt, ids in zip(_prompts_of(tok, b), response_ids(b.rollout)):
+                assert ids == tok(gold[prompt], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            assert bool(b.rewards_B.all())  # gold completions pass the verifier
+
+
+def test_gate_blocks_a_student_that_never_emits_eos(tok):
+    torch.manual_seed(5)
+    model = tiny(tok, 5)
+    model.set_output_embeddings(FixedEOS(model.get_output_embeddings(), tok.eos_token_id, -1e9))
+    prompts = {r: train_sets()[r][0] for r in ROUTES}
+    res = compliance_gate(model, tok, prompts, {r: 6 for r in ROUTES}, threshold=0.5)
+    assert not res.passed and sorted(res.failing) == sorted(ROUTES)
+    assert all(v == 0.0 for v in res.eos_rate.values()) and all(v == 0.0 for v in res.format_rate.values())
+    # EOS at once: every response ends, but an empty answer has no valid format, so the gate still blocks.
+    model.set_output_embeddings(FixedEOS(model.get_output_embeddings().head, tok.eos_token_id, 1e9))
+    res = compliance_gate(model, tok, prompts, {r: 6 for r in ROUTES}, threshold=0.5)
+    assert all(v == 1.0 for v in res.eos_rate.values()) and not res.passed
+
+
+def test_gate_passes_a_student_that_samples_well_formed_answers(tok):
+    # A "student" whose samples are the gold completions: the dataset-source rollout checked by the same format rule.
+    from tasks.world import format_ok
+
+    for r, ps in PROBLEMS.items():
+        for p in ps:
+            assert format_ok(Route.parse(r), gold_completion(Route.parse(r), p))
+    assert not format_ok(Route.parse("rev-high"), "cba")  # the high budget needs its scratchpad
+    assert not format_ok(Route.parse("sort-low"), "12|34")
+
+
+def test_sequence_advantages_use_a_per_route_baseline():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    routes = ["a", "a", "b", "b", "c"]
+    adv = sequence_advantages(rewards, routes, reward_weight=2.0)
+    assert adv.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0, 0.0])
+
+
+def _batch_and_scores(tok, student, teacher, with_logprobs=False):
+    torch.manual_seed(7)
+    prompts, routes, problems = PromptSampler(train_sets(), 1).draw(9)
+    batch = sample_batch(student, tok, prompts, routes, problems, [8] * 9, 0, with_logprobs=with_logprobs)
+    groups = {"t": list(range(9))}
+    return batch, score_with_teachers({"t": teacher}, groups, batch.rollout)
+
+
+def test_route_weights_and_per_route_objectives(tok):
+    student, teacher = tiny(tok, 8), tiny(tok, 9)
+    batch, hidden = _batch_and_scores(tok, student, teacher)
+    opt = torch.optim.SGD(student.parameters(), lr=0.0)
+    objs = {"shift-low": Objective("reverse_kl"), "rev-high": Objective("forward_kl"), "sort-low": Objective("jsd")}
+    st1 = update_step(student, {"t": teacher}, batch, hidden, objs, opt)
+    st2 = update_step(student, {"t": teacher}, batch, hidden, objs, opt, route_weights={r: 2.0 for r in ROUTES})
+    assert st2.loss == pytest.approx(2 * st1.loss, rel=1e-5)
+    st0 = update_step(student, {"t": teacher}, batch, hidden, objs, opt, route_weights={"rev-high": 0.0})
+    expected = sum(st1.loss_sum[r] for r in ("shift-low", "sort-low")) / st1.tokens
+    assert st0.loss == pytest.approx(expected, rel=1e-5)
+    # Each route's summed objective is its own loss on its own rows.
+    hs = forward_hidden(student, batch.rollout.sequences_B_T, batch.rollout.attention_mask_B_T)[:, :-1].detach()
+    for r, obj in objs.items():
+        idx = torch.tensor([i for i, x in enumerate(batch.routes) if x == r])
+        if len(idx) == 0:
+            continue
+        ref = chunked_objective(hs[idx], hidden["t"][1][idx, :-1], student.get_output_embeddings(),
+                                teacher.get_output_embeddings(), batch.rollout.loss_mask_B_T()[idx], obj)
+        assert st1.loss_sum[r] == pytest.approx(float(ref.loss_sum_B.sum()), rel=1e-4)
+
+
+def test_sampled_token_objective_refuses_off_policy_batches(tok):
+    student, teacher = tiny(tok, 8), tiny(tok, 9)
+    batch, hidden = _batch_and_scores(tok, student, teacher, with_logprobs=False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="behaviour log-probs"):
+        update_step(student, {"t": teacher}, batch, hidden, {r: Objective("sampled_token") for r in ROUTES}, opt)
+
+
+def test_overlapped_generation_is_one_update_stale_and_syncs_weights(tok):
+    student, teacher = tiny(tok, 10), tiny(tok, 11)
+    producer, _ = _producer(tok, student, teacher, overlap=True)
+    try:
+        versions = []
+        for v in range(4):
+            batch = producer.next(1.0, version=v)
+            versions.append(batch.version)
+            for a, b in zip(producer.rollout_model.parameters(), student.parameters()):
+                assert torch.equal(a, b)  # synced as the batch is taken
+            with torch.no_grad():  # an "update": the student moves on
+                for p in student.parameters():
+                    p.add_(0.01)
+        # The first batch is generated from the initial weights, then each batch lags the student by one update.
+        assert versions == [0, 0, 1, 2]
+        assert producer.sync_seconds > 0
+    finally:
+        producer.close()
+    assert producer.pending is None
