@@ -1,20 +1,37 @@
 # Two commands do everything on a fresh machine:
 #   make main   install, then run the main job (the whole pipeline, default profile) on the built-in world
 #   make test   install, then run the test suite (what .ci/run calls)
+# Operating it from the UIs: make stack-up (Prefect server + worker + MLflow server on 127.0.0.1), make stack-down.
 PY ?= python3
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup main quick test ui-prefect ui-mlflow clean-state
+.PHONY: setup main quick objectives test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PIP) install -e ".[dev]"
+	@# The browser tests drive Debian's Chromium and its driver (never a downloaded browser build).
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  echo "installing Debian's chromium + chromium-driver for the browser tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 main: setup
 	$(PY) -m flows.pipeline
 
 quick: setup
 	$(PY) -m flows.pipeline --profile quick
+
+objectives: setup
+	$(PY) -m flows.objectives --profile quick
+
+stack-up:
+	bash infra/stack.sh up
+
+stack-down:
+	bash infra/stack.sh down
+
+deployments:
+	$(PY) infra/deployments.py
 
 test: setup
 	$(PY) -m pytest

@@ -8,17 +8,16 @@ Run:  python -m flows.merge [--profile quick] [--student_uri PATH] [--teachers '
 from __future__ import annotations
 
 import sys
-from datetime import datetime
-
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_table_artifact
 
-from tasks.log import say
+from flows.names import current_run_name, from_parameters, merge_name
+from tasks.log import link, say
 from tasks.config import MergeConfig, pipeline_config
 from tasks.merge import run_merge, start_merge_run
 from tasks.pretrain import build_world_task, latest_base
-from tasks.tracking import end_run, format_retention_table, tracking_uri
+from tasks.tracking import end_run, format_retention_table, run_url, tracking_uri
 from teachers.registry import TeacherRegistry
 from teachers.router import Router
 
@@ -39,16 +38,17 @@ def route_teachers(cfg: MergeConfig, world_path: str) -> Router:
     return router
 
 
-@flow(name="merge")
+@flow(name="merge", flow_run_name=from_parameters(MergeConfig, merge_name))
 def merge(cfg: MergeConfig = MergeConfig()) -> dict:
     """Route -> OPD loop -> retention table; returns the MLflow run id, student URI and the table rows."""
     if not cfg.student_uri:
         cfg = cfg.model_copy(update={"student_uri": latest_base()})
     world_path = build_world_task(cfg.world)
     router = route_teachers(cfg, world_path)
-    run_name = f"merge-{len(router.teachers())}teachers-{cfg.label or cfg.opd.loss}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_name = current_run_name(merge_name(cfg))
     run_id = start_merge_run(cfg, router, run_name)
     say(f"MLflow run {run_id} ({run_name}) at {tracking_uri()}")
+    link(run_url(run_id), f"MLflow run {run_name}", "merge-mlflow-run", "Per-route metrics, retention table, student")
     try:
         result = run_merge(cfg, world_path, router, run_id)
     except BaseException:

@@ -18,7 +18,9 @@ from pydantic import Field, field_validator
 
 from flows.base import prepare_base
 from flows.merge import merge
+from flows.names import current_run_name, from_parameters, stamp
 from flows.specialists import train_specialists
+from tasks.compare import grouped_bars
 from tasks.config import PipelineConfig, _deep_merge, pipeline_config
 from tasks.log import say
 from tasks.table import format_table
@@ -83,32 +85,18 @@ def comparison_rows(results: dict[str, dict], minutes: dict[str, float]) -> tupl
 
 def comparison_figure(headers: list[str], rows: list[list[Any]]):
     """Grouped bars: retention per route for each variant, the base as a dashed line per route."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     routes = headers[1:-2]
     variants = rows[2:]
-    base = rows[0][1:1 + len(routes)]
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(variants) * len(routes) / 2), 4.5))
-    width = 0.8 / len(variants)
-    cmap = plt.get_cmap("tab20")
-    for j, v in enumerate(variants):
-        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(routes))]
-        ax.bar(xs, v[1:1 + len(routes)], width, label=f"{v[0]} ({v[-2]:.2f})", color=cmap(j % 20))
-    for i, b in enumerate(base):
-        ax.hlines(b, i - 0.42, i + 0.42, colors="black", linestyles="dashed", linewidth=1)
-    ax.set_xticks(range(len(routes)), routes)
-    ax.set_ylim(0, 1.15)
-    ax.set_ylabel("retention (dashed: base)")
-    ax.set_title("Retention per route for each objective (mean in the legend)")
-    ax.legend(fontsize=7, ncol=2, loc="lower right", frameon=True)
-    fig.tight_layout()
-    return fig
+    return grouped_bars([v[0] for v in variants], routes, [v[1:1 + len(routes)] for v in variants],
+                        "Retention per route for each objective (mean in the legend)",
+                        baseline=rows[0][1:1 + len(routes)])
 
 
-@flow(name="compare-objectives")
+def _name(cfg: ObjectivesConfig) -> str:
+    return f"compare-objectives-{cfg.profile}-{len(cfg.variants)}variants-{cfg.opd.steps}steps-{stamp()}"
+
+
+@flow(name="compare-objectives", flow_run_name=from_parameters(ObjectivesConfig, _name))
 def compare_objectives(cfg: ObjectivesConfig = ObjectivesConfig()) -> dict:
     """base -> specialists (cached when already trained) -> one merge per variant -> one comparison table."""
     base = prepare_base(cfg.pretrain())
@@ -124,7 +112,7 @@ def compare_objectives(cfg: ObjectivesConfig = ObjectivesConfig()) -> dict:
         minutes[name] = (time.perf_counter() - t0) / 60
     headers, rows = comparison_rows(results, minutes)
     table = format_table(headers, rows)
-    summary = start_run(cfg.experiment, f"compare-objectives-{len(cfg.variants)}", config_params(cfg),
+    summary = start_run(cfg.experiment, current_run_name(_name(cfg)), config_params(cfg),
                         {"merge_runs": ",".join(f"{n}={r['run_id']}" for n, r in results.items())})
     log_table(summary, [dict(zip(headers, r)) for r in rows], "objectives.json")
     log_figure(summary, comparison_figure(headers, rows), "objectives.png")

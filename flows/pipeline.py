@@ -16,12 +16,13 @@ from prefect import flow
 from flows.base import prepare_base
 from flows.merge import merge
 from flows.specialists import train_specialists
-from tasks.log import say
+from flows.names import from_parameters, pipeline_name
+from tasks.log import link, say
 from tasks.config import PipelineConfig, pipeline_config
-from tasks.tracking import format_retention_table, tracking_uri
+from tasks.tracking import format_retention_table, run_url, tracking_uri
 
 
-@flow(name="pipeline")
+@flow(name="pipeline", flow_run_name=from_parameters(PipelineConfig, pipeline_name))
 def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     """world -> base -> specialists -> registry -> OPD merge -> retention (each stage a subflow)."""
     t0 = time.perf_counter()
@@ -32,6 +33,8 @@ def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     say(f"[3/3] merge {len(teachers)} teachers into one student by on-policy distillation")
     result = merge(cfg.merge(base["uri"], teachers))
     minutes = (time.perf_counter() - t0) / 60
+    link(run_url(result["run_id"]), f"MLflow run of the merge ({result['mean_retention']:.3f} mean retention)",
+         "pipeline-mlflow-run", "The merge's per-route retention, curves and student checkpoint")
     say(f"pipeline done in {minutes:.1f} min; mean retention {result['mean_retention']:.3f}\n"
         f"{format_retention_table(result['rows'])}\n"
         f"MLflow run {result['run_id']} (experiment {cfg.experiment}) in {tracking_uri()}\n"

@@ -12,15 +12,17 @@ from pathlib import Path
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.names import from_parameters, specialists_name
 from tasks.log import say
 from tasks.config import SpecialistsConfig, pipeline_config
 from tasks.models import checkpoint_fingerprint
 from tasks.pretrain import build_world_task, latest_base
+from tasks.tracking import publish_teacher, teacher_model_name
 from tasks.specialist import train_specialist
 from teachers.registry import Provenance, TeacherRegistry
 
 
-@flow(name="train-specialists")
+@flow(name="train-specialists", flow_run_name=from_parameters(SpecialistsConfig, specialists_name))
 def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]:
     """Train, evaluate and register one specialist per route; returns the registered teacher names."""
     base_uri = cfg.base_uri or latest_base()
@@ -43,13 +45,15 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
             failed.append(f"{route}: accuracy {res['accuracy']:.3f} < min_accuracy {cfg.min_accuracy}")
             continue
         name = f"{cfg.name_prefix}-{route}"
-        registry.register_checkpoint(
+        record = registry.register_checkpoint(
             name, route, res["uri"], Path(world_path) / "tokenizer", eval_score=res["accuracy"], replace=True,
             provenance=Provenance(base=base_fp, data=Path(world_path).name, config_hash=cfg.train.config_hash(),
                                   source="train-specialists"),
         )
+        version = publish_teacher(record, res["mlflow_run_id"])
         names.append(name)
-        say(f"registered teacher {name} ({route}, accuracy {res['accuracy']:.3f})")
+        say(f"registered teacher {name} ({route}, accuracy {res['accuracy']:.3f}); MLflow model "
+            f"{teacher_model_name(route)} version {version}")
     if failed:
         raise RuntimeError(f"{len(failed)} specialist(s) failed (the {len(names)} others are registered): " + "; ".join(failed))
     return names

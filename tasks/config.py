@@ -31,7 +31,7 @@ class WorldConfig(_Config):
 
     routes: list[str] = Field(
         default_factory=lambda: ["shift-low", "shift-high", "rev-low", "rev-high", "sort-low", "sort-high"],
-        description="Routes to build, each '<domain>-<budget>' with domain in shift/rev/sort and budget low/high.",
+        description="Routes to build, each DOMAIN-BUDGET (e.g. rev-high), domain in shift/rev/sort, budget low/high.",
     )
     seed: int = Field(0, ge=0, description="Seed of the prompt generator (the prompt sets are deterministic in it).")
     train_size: int = Field(3000, ge=1, le=1_000_000, description="Training prompts per route.")
@@ -134,7 +134,7 @@ class OPDConfig(_Config):
         "tail", description="tail: top-k + one bucket for the rest; renormalize over top-k; truncate: raw top-k sum."
     )
     top_k_stop_grad: bool = Field(
-        False, description="reverse_kl: sum_k q_k * sg(log q_k - log p_k), the unbiased top-k gradient."
+        False, description="reverse_kl: sum_k q_k * sg(log q_k - log p_k): drops the gradient term that shrinks the top-k mass."
     )
     sample_temperature: float = Field(1.0, gt=0, le=10.0, description="Rollout sampling temperature (and of the IS ratio).")
     divergence_temperature: float = Field(1.0, gt=0, le=10.0, description="Temperature of both sides of the divergence.")
@@ -238,7 +238,7 @@ class SpecialistsConfig(_Config):
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
     min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
-    name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names: <prefix>-<route>.")
+    name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names are PREFIX-ROUTE (e.g. spec-rev-high).")
 
 
 class MergeConfig(_Config):

@@ -11,7 +11,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
-from tasks.log import say
+from tasks.log import Progress, say
 from tasks.config import MergeConfig
 from tasks.data import eval_sets, load_prompts, max_new_tokens_for, rows_by_route
 from tasks.distill import BatchProducer, OffPolicyData, PromptSampler, StepStats, score_with_teachers, update_step
@@ -21,7 +21,16 @@ from tasks.models import load_model, save_model
 from tasks.paths import models_dir
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tasks.train import make_optimizer
-from tasks.tracking import config_params, end_run, log_metrics, log_retention, start_run
+from tasks.tracking import (
+    STUDENT_MODEL,
+    config_params,
+    end_run,
+    log_metrics,
+    log_retention,
+    promote_if_best,
+    register_version,
+    start_run,
+)
 from teachers.registry import TeacherRecord, registry_fingerprint
 from teachers.router import Router
 
@@ -116,6 +125,8 @@ class MergeLoop:
         self.window = _Window()
         self.teacher_acc: dict[str, float] = {}
         self.scores: dict[str, RouteScore] = {}
+        self.planned = opd.cold_start_steps + opd.steps
+        self.progress = Progress("merge-progress", f"merge {run_id}: optimizer steps done")
 
     def evaluate(self, model) -> dict[str, RouteScore]:
         return evaluate_routes(model, self.tok, self.eval_sets, self.caps)
@@ -183,6 +194,8 @@ class MergeLoop:
         m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc)}
         say(f"step {self.step}: mean retention {m['retention/mean']:.3f}, "
             + ", ".join(f"{r} {m[f'retention/{r}']:.2f}" for r in self.routes))
+        self.progress.update(100.0 * self.step / max(self.planned, self.step),
+                             f"step {self.step}/{self.planned}: mean retention {m['retention/mean']:.3f}")
         return m
 
     def gate(self) -> GateResult:
@@ -246,8 +259,15 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
     out = save_model(loop.student, loop.tok, models_dir() / "merged" / run_id)
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
     log_retention(run_id, rows, out)
-    end_run(run_id, {"merged_student_uri": str(out)})
-    return {"run_id": run_id, "student_uri": str(out), "rows": rows}
+    mean = sum(r["retention"] for r in rows) / len(rows)
+    version = register_version(STUDENT_MODEL, run_id, "student", {
+        "teachers": ",".join(sorted(set(loop.teacher_of.values()))), "loss": opd.loss, "label": cfg.label,
+        "mean_retention": f"{mean:.4f}"}, "Merged students of OPD runs; @champion has the best mean retention.")
+    champion = promote_if_best(STUDENT_MODEL, version)
+    say(f"registered {STUDENT_MODEL} version {version}" + (" as @champion" if champion else ""))
+    end_run(run_id, {"merged_student_uri": str(out), "registered_model": f"{STUDENT_MODEL}/{version}",
+                     "champion": str(champion)})
+    return {"run_id": run_id, "student_uri": str(out), "rows": rows, "model_version": version, "champion": champion}
 
 
 def start_merge_run(cfg: MergeConfig, router: Router, run_name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
@@ -15,7 +16,7 @@ from tasks.evaluate import evaluate_route
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir
 from tasks.tokenizer import load_tokenizer
-from tasks.tracking import config_params, end_run, log_metrics, start_run
+from tasks.tracking import config_params, end_run, log_metrics, start_run, tracking_uri
 
 
 def specialist_dir(world_path: str, route: str, base_fingerprint: str, train: TrainConfig) -> Path:
@@ -51,6 +52,7 @@ def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprin
     log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length},
                 train.steps)
     out = save_model(model, tok, specialist_dir(world_path, route, base_fingerprint, train))
+    MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
     end_run(run_id, {"model_uri": str(out)})
     say(f"specialist {route}: accuracy {score.accuracy:.3f} on {score.n} held-out prompts -> {out}")
     return {"route": route, "uri": str(out), "accuracy": score.accuracy, "mlflow_run_id": run_id}

@@ -127,3 +127,82 @@ def format_retention_table(rows: list[dict[str, Any]]) -> str:
     keys = ["route", "teacher", "base_accuracy", "teacher_accuracy", "student_accuracy", "retention"]
     body = [[r[k] for k in keys] for r in rows]
     return format_table(["route", "teacher", "base acc", "teacher acc", "student acc", "retention"], body)
+
+
+# ---------------------------------------------------------------------------------------------- model registry
+
+STUDENT_MODEL = "opd-student"
+CHAMPION = "champion"
+
+
+def teacher_model_name(route: str) -> str:
+    """One registered model per route: every teacher ever registered for it is a version."""
+    return f"teacher-{route}"
+
+
+def ui_url() -> str:
+    """Base URL of the MLflow UI for links: ``$OPD_MLFLOW_UI``, else the tracking server itself when it is one, else
+    where ``make ui-mlflow`` serves it."""
+    uri = tracking_uri()
+    return os.environ.get("OPD_MLFLOW_UI") or (uri if uri.startswith("http") else "http://127.0.0.1:5000")
+
+
+def run_url(run_id: str) -> str:
+    run = MlflowClient(tracking_uri()).get_run(run_id)
+    return f"{ui_url().rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+
+
+def register_version(name: str, run_id: str, artifact_path: str, tags: dict[str, str], description: str = "") -> str:
+    """Register the run's artifact folder as a new version of model ``name`` (created on first use); returns the
+    version number."""
+    client = MlflowClient(tracking_uri())
+    try:
+        client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        try:
+            client.create_registered_model(name, description=description or None)
+        except mlflow.exceptions.MlflowException:  # created concurrently
+            pass
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+    mv = client.create_model_version(name, source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+    return str(mv.version)
+
+
+def promote_if_best(name: str, version: str, metric: str = "retention/mean", alias: str = CHAMPION) -> bool:
+    """Move ``@alias`` to ``version`` when its run's ``metric`` beats the current holder's (or nobody holds it)."""
+    client = MlflowClient(tracking_uri())
+    mine = client.get_run(client.get_model_version(name, version).run_id).data.metrics.get(metric, float("-inf"))
+    try:
+        holder = client.get_model_version_by_alias(name, alias)
+        best = client.get_run(holder.run_id).data.metrics.get(metric, float("-inf"))
+    except mlflow.exceptions.MlflowException:
+        best = float("-inf")
+    if mine > best:
+        client.set_registered_model_alias(name, alias, version)
+        return True
+    return False
+
+
+def publish_teacher(record, checkpoint_run_id: str | None = None) -> str:
+    """Mirror a teacher registry record into the MLflow model registry as a version of ``teacher-<route>`` and point
+    ``@active`` at it. The checkpoint is logged to a run of experiment ``opd-teachers`` (or taken from
+    ``checkpoint_run_id``'s ``checkpoint/`` artifacts). Returns the version number."""
+    from pathlib import Path
+
+    client = MlflowClient(tracking_uri())
+    run_id = checkpoint_run_id
+    if run_id is None:
+        run_id = start_run("opd-teachers", f"teacher-{record.name}",
+                           {"route": record.route, "model_uri": record.model_uri, "eval_score": record.eval_score},
+                           {"teacher": record.name, "source": record.provenance.source})
+        if Path(record.model_uri).is_dir():
+            client.log_artifacts(run_id, record.model_uri, "checkpoint")
+        end_run(run_id)
+    tags = {"teacher": record.name, "route": record.route, "model_uri": record.model_uri,
+            "tokenizer_fingerprint": record.tokenizer_fingerprint, "eval_score": record.eval_score,
+            "source": record.provenance.source}
+    name = teacher_model_name(record.route)
+    version = register_version(name, run_id, "checkpoint", tags,
+                               f"Specialist teachers for route {record.route} (one version per registration).")
+    client.set_registered_model_alias(name, "active", version)
+    return version

@@ -2,6 +2,7 @@
 
     python -m teachers list
     python -m teachers register --name shift-high-v2 --route shift-high --model-uri ./ckpt [--eval-score 0.97]
+                                [--no-mlflow]   # also a version of MLflow model teacher-<route> unless --no-mlflow
     python -m teachers show shift-high-v2
     python -m teachers remove shift-high-v2
     python -m teachers --registry /tmp/reg.json list      # another registry file (default: $OPD_REGISTRY or .opd/)
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--eval-score", type=float, default=None, help="accuracy on its route, in [0, 1]")
     reg.add_argument("--replace", action="store_true", help="overwrite a teacher of the same name")
     reg.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
+    reg.add_argument("--no-mlflow", action="store_true",
+                     help="do not also register it in the MLflow model registry (model teacher-<route>)")
 
     sub.add_parser("list", help="table of all teachers")
     show = sub.add_parser("show", help="one teacher as JSON")
@@ -71,6 +74,11 @@ def run(args: argparse.Namespace) -> None:
         )
         print(f"registered {record.name} (route {record.route}, tokenizer {record.tokenizer_fingerprint}) "
               f"in {registry.path}")
+        if not args.no_mlflow:
+            from tasks.tracking import publish_teacher, teacher_model_name, tracking_uri
+
+            version = publish_teacher(record)
+            print(f"MLflow model {teacher_model_name(record.route)} version {version} (@active) in {tracking_uri()}")
     elif args.command == "list":
         records = registry.list()
         if not records:

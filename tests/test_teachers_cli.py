@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from tasks.paths import PROJECT_ROOT
 from tasks.tokenizer import build_char_tokenizer, save_tokenizer, tokenizer_fingerprint
+from tasks.tracking import tracking_uri
 from teachers.cli import main
 from teachers.registry import TeacherRegistry
 from tests.test_registry import make_checkpoint
@@ -36,7 +39,13 @@ def test_cli_round_trip(tmp_path, ckpt, capsys):
                 "--model-uri", str(ckpt), "--student-tokenizer", student]
 
     assert main([*register, "--eval-score", "0.5"]) == 0
-    assert "registered add-high-v1 (route add-high" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "registered add-high-v1 (route add-high" in out
+    # Also a version of the route's model in the MLflow model registry, with @active on it.
+    version = re.search(r"MLflow model teacher-add-high version (\d+) \(@active\)", out).group(1)
+    mv = MlflowClient(tracking_uri()).get_model_version_by_alias("teacher-add-high", "active")
+    assert str(mv.version) == version and mv.tags["teacher"] == "add-high-v1" and mv.tags["source"] == "cli"
+    assert sorted(a.path for a in MlflowClient(tracking_uri()).list_artifacts(mv.run_id, "checkpoint"))
 
     assert main(["--registry", reg, "list"]) == 0
     assert capsys.readouterr().out.splitlines() == [
@@ -54,7 +63,8 @@ def test_cli_round_trip(tmp_path, ckpt, capsys):
     assert main(register) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: teacher 'add-high-v1' is already in") and err.count("\n") == 1
-    assert main([*register, "--replace", "--eval-score", "0.75"]) == 0
+    assert main([*register, "--replace", "--eval-score", "0.75", "--no-mlflow"]) == 0
+    assert "MLflow" not in capsys.readouterr().out
     assert TeacherRegistry(reg).get("add-high-v1").eval_score == 0.75
 
     assert main(["--registry", reg, "remove", "add-high-v1"]) == 0

@@ -1,0 +1,95 @@
+"""Flow `evaluate`: score any checkpoint on each route's held-out prompts against the routed teachers (retention =
+its accuracy / the teacher's), logged to MLflow (experiment `opd-eval`) and published as a Prefect table.
+
+Run:  python -m flows.evaluate --profile quick                       # the @champion merged student
+      python -m flows.evaluate --model_uri .opd/models/merged/<run id> --teachers '["spec-rev-low"]'
+      python -m flows.evaluate --model_uri 'models:/opd-student/3'   # any MLflow model URI or local path
+"""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+from pydantic import Field
+
+from flows.names import from_parameters, stamp
+from tasks.config import WorldConfig, _Config, pipeline_config
+from tasks.data import eval_sets, load_prompts, max_new_tokens_for
+from tasks.evaluate import evaluate_route, retention
+from tasks.log import link, say
+from tasks.models import load_model
+from tasks.pretrain import build_world_task
+from tasks.tokenizer import load_tokenizer
+from tasks.tracking import CHAMPION, STUDENT_MODEL, config_params, end_run, log_metrics, log_table, run_url, start_run
+from teachers.registry import TeacherRegistry
+from teachers.router import Router
+
+
+class EvaluateConfig(_Config):
+    """What to evaluate, on which routes, against which teachers."""
+
+    world: WorldConfig = Field(default_factory=WorldConfig)
+    model_uri: str = Field(
+        "", description=f"Local path, hub id or MLflow model URI; empty = models:/{STUDENT_MODEL}@{CHAMPION}."
+    )
+    teachers: list[str] = Field(default_factory=list, description="Teacher names; empty = newest teacher per route.")
+    experiment: str = Field("opd-eval", min_length=1, description="MLflow experiment of the evaluation run.")
+
+
+def _name(cfg: EvaluateConfig) -> str:
+    return f"evaluate-{(cfg.model_uri or f'{STUDENT_MODEL}@{CHAMPION}').rstrip('/').split('/')[-1]}-{stamp()}"
+
+
+def resolve_model(uri: str) -> str:
+    """A local folder for ``uri``: MLflow model URIs (``models:/name@alias``, ``models:/name/3``) are downloaded."""
+    uri = uri or f"models:/{STUDENT_MODEL}@{CHAMPION}"
+    if uri.startswith("models:/") or uri.startswith("runs:/"):
+        import mlflow.artifacts
+
+        from tasks.tracking import tracking_uri
+
+        return mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri())
+    return uri
+
+
+@flow(name="evaluate", flow_run_name=from_parameters(EvaluateConfig, _name))
+def evaluate(cfg: EvaluateConfig = EvaluateConfig()) -> dict:
+    """Greedy accuracy per route for the model and each route's teacher; the retention table."""
+    world_path = build_world_task(cfg.world)
+    local = resolve_model(cfg.model_uri)
+    tok = load_tokenizer(local)
+    model = load_model(local).eval()
+    router = Router.from_registry(TeacherRegistry(), cfg.world.routes, cfg.teachers or None)
+    cap = max_new_tokens_for(tok, load_prompts(world_path)["train"]["completion"])
+    sets = eval_sets(world_path)
+    rows = []
+    for r in cfg.world.routes:
+        rec = router.teacher_for(r)
+        teacher_acc = evaluate_route(load_model(rec.model_uri).eval(), tok, r, *sets[r], cap).accuracy
+        acc = evaluate_route(model, tok, r, *sets[r], cap).accuracy
+        rows.append({"route": r, "teacher": rec.name, "teacher_accuracy": teacher_acc, "model_accuracy": acc,
+                     "retention": retention(acc, teacher_acc)})
+        say(f"{r}: model {acc:.3f}, teacher {rec.name} {teacher_acc:.3f}, retention {rows[-1]['retention']:.3f}")
+    run_id = start_run(cfg.experiment, _name(cfg), config_params(cfg), {"model_local_path": local})
+    metrics = {f"{k}/{row['route']}": row[k] for row in rows for k in ("retention", "model_accuracy")}
+    metrics["retention/mean"] = sum(row["retention"] for row in rows) / len(rows)
+    log_metrics(run_id, metrics, 0)
+    log_table(run_id, rows, "retention.json")
+    end_run(run_id)
+    create_table_artifact(table=rows, key="evaluation", description=f"{cfg.model_uri or 'champion'}; MLflow {run_id}")
+    link(run_url(run_id), "MLflow evaluation run", "evaluation-mlflow-run")
+    return {"run_id": run_id, "rows": rows, "mean_retention": metrics["retention/mean"], "model_path": local}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tasks.cli import parse_config
+
+    cfg = parse_config(argv, lambda profile="default": EvaluateConfig(world=pipeline_config(profile).world), __doc__,
+                       with_profile=True)
+    return evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,68 @@
+"""Flow `register-teacher`: add a specialist checkpoint (local path or hub id) to the teacher registry, after checking
+that it loads and shares the student's tokenizer, and as a version of MLflow model `teacher-<route>`. The same
+validation as `python -m teachers register`; nothing is written when a check fails.
+
+Run:  python -m flows.register --name rev-high-v2 --route rev-high --model_uri ./ckpt [--eval_score 0.97]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from prefect import flow
+from pydantic import Field, field_validator
+
+from tasks.config import _Config
+from tasks.log import say
+from tasks.paths import world_dir
+from tasks.tracking import publish_teacher, teacher_model_name
+from tasks.world import Route
+from teachers.registry import Provenance, TeacherRegistry
+
+
+class RegisterConfig(_Config):
+    """One teacher to register."""
+
+    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Unique teacher name, e.g. rev-high-v2.")
+    route: str = Field(..., description="Route it serves, DOMAIN-BUDGET (e.g. rev-high).")
+    model_uri: str = Field(..., min_length=1, description="Checkpoint folder or hub id (HF config, weights, tokenizer).")
+    student_tokenizer: str = Field("", description="Tokenizer the student uses; empty = the built-in world's.")
+    eval_score: Optional[float] = Field(None, ge=0, le=1, description="Its accuracy on its route, if known.")
+    replace: bool = Field(False, description="Overwrite a teacher of the same name.")
+    trust_remote_code: bool = Field(False, description="Allow the checkpoint's own modelling code (off by default).")
+    mlflow: bool = Field(True, description="Also register it in the MLflow model registry (model teacher-ROUTE).")
+
+    @field_validator("route")
+    @classmethod
+    def _route(cls, v: str) -> str:
+        Route.parse(v)
+        return v
+
+
+@flow(name="register-teacher", flow_run_name="register-teacher-{cfg.name}")
+def register_teacher(cfg: RegisterConfig) -> dict:
+    """Validate, then write the registry entry (and the MLflow model version)."""
+    record = TeacherRegistry().register_checkpoint(
+        cfg.name, cfg.route, cfg.model_uri, cfg.student_tokenizer or str(world_dir() / "tokenizer"),
+        eval_score=cfg.eval_score, provenance=Provenance(source="register-teacher"), replace=cfg.replace,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    out = {"name": record.name, "route": record.route, "model_uri": record.model_uri}
+    say(f"registered teacher {record.name} for route {record.route} ({record.model_uri})")
+    if cfg.mlflow:
+        out["mlflow_version"] = publish_teacher(record)
+        say(f"MLflow model {teacher_model_name(record.route)} version {out['mlflow_version']} (@active)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from tasks.cli import parse_config
+
+    # The required fields start empty, so a missing flag fails validation naming it.
+    cfg = parse_config(argv, lambda: RegisterConfig.model_construct(name="", route="", model_uri=""), __doc__)
+    return register_teacher(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
