@@ -172,6 +172,9 @@ class OPDConfig(_Config):
         None, ge=1, le=4096, description="Rollout length cap; default: longest gold completion + 2 tokens."
     )
     chunk_size: int = Field(16, ge=1, le=65536, description="Sequence positions per chunk of the divergence.")
+    max_resident_teachers: int = Field(
+        0, ge=0, le=1024, description="Teachers kept loaded at once, least recently used evicted (0 = all)."
+    )
     eval_every: int = Field(100, ge=1, description="Evaluate every N steps (and at the start and the end).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")

@@ -10,6 +10,7 @@ import copy
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -106,7 +107,7 @@ class OffPolicyData:
         self,
         source: OffPolicySource,
         tok: PreTrainedTokenizerBase,
-        teachers: dict[str, PreTrainedModel],
+        teachers: Mapping[str, PreTrainedModel],
         teacher_of: dict[str, str],
         gold: dict[str, str],
         sample_temperature: float = 1.0,
@@ -237,17 +238,23 @@ class BatchProducer:
             self.pending = None
 
 
+TeacherScores = dict[str, tuple[list[int], torch.Tensor, torch.nn.Module]]
+
+
 def score_with_teachers(
-    teachers: dict[str, PreTrainedModel], groups: dict[str, list[int]], rollout: Rollout
-) -> dict[str, tuple[list[int], torch.Tensor]]:
+    teachers: Mapping[str, PreTrainedModel], groups: dict[str, list[int]], rollout: Rollout
+) -> TeacherScores:
     """Final hidden states of each row's teacher on the student's exact sequence, one forward per teacher over its
     rows (``groups``: teacher -> row indices, as :meth:`teachers.router.Router.group` makes them):
-    teacher -> (rows, hidden ``[b, T, H]``)."""
+    teacher -> (rows, hidden ``[b, T, H]``, output head). Keeping the head, not the model, lets a
+    :class:`tasks.teacher_pool.TeacherPool` evict the teacher before the update."""
     out = {}
     with torch.no_grad():
         for name, rows in groups.items():
             idx = torch.tensor(rows)
-            out[name] = (rows, forward_hidden(teachers[name], rollout.sequences_B_T[idx], rollout.attention_mask_B_T[idx]))
+            teacher = teachers[name]
+            hidden = forward_hidden(teacher, rollout.sequences_B_T[idx], rollout.attention_mask_B_T[idx])
+            out[name] = (rows, hidden, teacher.get_output_embeddings())
     return out
 
 
@@ -263,9 +270,8 @@ def sequence_advantages(rewards_B: torch.Tensor, routes: list[str], reward_weigh
 
 def update_step(
     student: PreTrainedModel,
-    teachers: dict[str, PreTrainedModel],
     batch: Batch,
-    teacher_hidden: dict[str, tuple[list[int], torch.Tensor]],
+    teacher_hidden: TeacherScores,
     objectives: dict[str, Objective],
     optimizer: torch.optim.Optimizer,
     scheduler=None,
@@ -291,7 +297,7 @@ def update_step(
         seq_adv_B = sequence_advantages(batch.rewards_B, routes, reward_weight)
     loss = student_hidden_B_T_H.new_zeros(())
     stats = StepStats(loss=0.0, tokens=total_tokens)
-    for name, (rows, hidden_b_T_H) in teacher_hidden.items():
+    for name, (rows, hidden_b_T_H, teacher_head) in teacher_hidden.items():
         by_objective: dict[Objective, list[int]] = {}
         for j, row in enumerate(rows):
             by_objective.setdefault(objectives[routes[row]], []).append(j)
@@ -307,7 +313,7 @@ def update_step(
                 student_hidden_B_T_H[idx],
                 hidden_b_T_H[torch.tensor(js), :-1],
                 student.get_output_embeddings(),
-                teachers[name].get_output_embeddings(),
+                teacher_head,
                 mask_B_T[idx],
                 obj,
                 tokens=tokens,
@@ -362,7 +368,7 @@ def opd_step(
     t1 = time.perf_counter()
     hidden = score_with_teachers(teachers, groups, batch.rollout)
     t2 = time.perf_counter()
-    stats = update_step(student, teachers, batch, hidden, {r: objective for r in set(routes)}, optimizer, scheduler,
+    stats = update_step(student, batch, hidden, {r: objective for r in set(routes)}, optimizer, scheduler,
                         chunk_size, grad_clip)
     stats.seconds.update(generate=batch.seconds, teacher=t2 - t1)
     return stats

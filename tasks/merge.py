@@ -20,6 +20,7 @@ from tasks.losses import Objective
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
+from tasks.teacher_pool import TeacherPool
 from tasks.train import make_optimizer
 from tasks.tracking import (
     STUDENT_MODEL,
@@ -109,7 +110,9 @@ class MergeLoop:
         self.tok = load_tokenizer(cfg.student_uri)
         student_fp = tokenizer_fingerprint(self.tok)
         self.student = load_model(cfg.student_uri).eval()
-        self.teachers = {rec.name: _load_teacher(rec, student_fp) for rec in router.teachers()}
+        records = {rec.name: rec for rec in router.teachers()}
+        self.teachers = TeacherPool(list(records), lambda name: _load_teacher(records[name], student_fp),
+                                    opd.max_resident_teachers)
         self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
         prompts = load_prompts(world_path)
         default_cap = opd.max_new_tokens or max_new_tokens_for(self.tok, prompts["train"]["completion"])
@@ -168,14 +171,15 @@ class MergeLoop:
                 else:
                     t_batch = t_teacher = 0.0
                 staleness = self.version - batch.version if batch.on_policy else 0
-                st = update_step(self.student, self.teachers, batch, hidden, objectives, optimizer, scheduler,
+                st = update_step(self.student, batch, hidden, objectives, optimizer, scheduler,
                                  opd.chunk_size, opd.grad_clip, opd.route_weights, opd.reward_weight)
                 uses += 1
                 self.version += 1
                 self.step += 1
                 self.window.add(st, batch.on_policy)
                 m = {"train/loss": st.loss, "stage": stage_id, "rollout/on_policy": float(batch.on_policy),
-                     "rollout/staleness": float(staleness), "time/update": st.seconds["update"]}
+                     "rollout/staleness": float(staleness), "time/update": st.seconds["update"],
+                     "teachers/loads": float(self.teachers.loads), "teachers/resident": float(len(self.teachers.resident))}
                 if uses == 1:
                     # Time the update waited for its batch (with overlap: only what the background did not hide).
                     m.update({"time/generate": t_batch, "time/teacher": t_teacher,

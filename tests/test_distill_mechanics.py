@@ -217,10 +217,10 @@ def test_route_weights_and_per_route_objectives(tok):
     batch, hidden = _batch_and_scores(tok, student, teacher)
     opt = torch.optim.SGD(student.parameters(), lr=0.0)
     objs = {"shift-low": Objective("reverse_kl"), "rev-high": Objective("forward_kl"), "sort-low": Objective("jsd")}
-    st1 = update_step(student, {"t": teacher}, batch, hidden, objs, opt)
-    st2 = update_step(student, {"t": teacher}, batch, hidden, objs, opt, route_weights={r: 2.0 for r in ROUTES})
+    st1 = update_step(student, batch, hidden, objs, opt)
+    st2 = update_step(student, batch, hidden, objs, opt, route_weights={r: 2.0 for r in ROUTES})
     assert st2.loss == pytest.approx(2 * st1.loss, rel=1e-5)
-    st0 = update_step(student, {"t": teacher}, batch, hidden, objs, opt, route_weights={"rev-high": 0.0})
+    st0 = update_step(student, batch, hidden, objs, opt, route_weights={"rev-high": 0.0})
     expected = sum(st1.loss_sum[r] for r in ("shift-low", "sort-low")) / st1.tokens
     assert st0.loss == pytest.approx(expected, rel=1e-5)
     # Each route's summed objective is its own loss on its own rows.
@@ -239,7 +239,7 @@ def test_sampled_token_objective_refuses_off_policy_batches(tok):
     batch, hidden = _batch_and_scores(tok, student, teacher, with_logprobs=False)
     opt = torch.optim.SGD(student.parameters(), lr=0.0)
     with pytest.raises(ValueError, match="behaviour log-probs"):
-        update_step(student, {"t": teacher}, batch, hidden, {r: Objective("sampled_token") for r in ROUTES}, opt)
+        update_step(student, batch, hidden, {r: Objective("sampled_token") for r in ROUTES}, opt)
 
 
 def test_overlapped_generation_is_one_update_stale_and_syncs_weights(tok):
@@ -261,3 +261,35 @@ def test_overlapped_generation_is_one_update_stale_and_syncs_weights(tok):
     finally:
         producer.close()
     assert producer.pending is None
+
+
+def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
+    from tasks.teacher_pool import TeacherPool
+
+    built = {f"t{i}": tiny(tok, 20 + i) for i in range(4)}
+    loaded = []
+
+    def load(name):
+        loaded.append(name)
+        return built[name]
+
+    pool = TeacherPool(list(built), load, max_resident=2)
+    assert pool.loads == 0 and len(pool) == 4 and "t3" in pool
+    torch.manual_seed(3)
+    prompts, routes, problems = PromptSampler(train_sets(), 2).draw(8)
+    batch = sample_batch(tiny(tok, 30), tok, prompts, routes, problems, [6] * 8, 0)
+    groups = {"t0": [0, 1], "t1": [2, 3], "t2": [4, 5], "t3": [6, 7]}
+    scored = score_with_teachers(pool, groups, batch.rollout)
+    assert loaded == ["t0", "t1", "t2", "t3"] and pool.evictions == 2 and list(pool.resident) == ["t2", "t3"]
+    reference = score_with_teachers(built, groups, batch.rollout)
+    for name in groups:
+        assert torch.equal(scored[name][1], reference[name][1])
+    pool["t3"], pool["t2"]  # resident: no load, t2 becomes most recent
+    assert pool.loads == 4
+    pool["t0"]
+    assert list(pool.resident) == ["t2", "t0"] and pool.loads == 5  # t3 was least recently used
+    with pytest.raises(KeyError, match="no teacher 'nope'"):
+        pool["nope"]
+    unlimited = TeacherPool(list(built), load, max_resident=0)
+    score_with_teachers(unlimited, groups, batch.rollout)
+    assert len(unlimited.resident) == 4 and unlimited.evictions == 0
