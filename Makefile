@@ -9,7 +9,7 @@ PIP = $(PY) -m pip --disable-pip-version-check -q
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,ray]"
 	@# The browser tests drive Debian's Chromium and its driver (never a downloaded browser build).
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  echo "installing Debian's chromium + chromium-driver for the browser tests"; \

@@ -6,6 +6,7 @@ Run:  python -m flows.specialists [--profile quick] [--base_uri PATH] [--train.s
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,9 +18,34 @@ from tasks.log import say
 from tasks.config import SpecialistsConfig, pipeline_config
 from tasks.models import checkpoint_fingerprint
 from tasks.pretrain import build_world_task, latest_base
-from tasks.tracking import publish_teacher, teacher_model_name
-from tasks.specialist import train_specialist
+from tasks.tracking import publish_teacher, setup_mlflow, teacher_model_name
+from tasks.specialist import SPECIALISTS_EXPERIMENT, train_specialist
 from teachers.registry import Provenance, TeacherRegistry
+
+
+# What a Ray worker process needs to find the same state, tracking store and Prefect API as this process.
+_RAY_ENV = ("OPD_HOME", "OPD_REGISTRY", "PREFECT_HOME", "PREFECT_API_URL", "PREFECT_RESULTS_LOCAL_STORAGE_PATH",
+            "PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+            "MLFLOW_TRACKING_URI", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+
+
+def task_runner(cfg: SpecialistsConfig):
+    """Threads by default; a Ray cluster (local, or ``cfg.ray_address``) through prefect-ray when asked."""
+    if cfg.runner == "threads":
+        return ThreadPoolTaskRunner(max_workers=cfg.workers)
+    try:
+        from prefect_ray import RayTaskRunner
+    except ImportError as e:
+        raise RuntimeError("runner 'ray' needs the ray extra: pip install -e '.[ray]'") from e
+    env = {k: os.environ[k] for k in _RAY_ENV if k in os.environ}
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():  # the server this flow reports to (also a test harness's), not a new ephemeral one
+        env["PREFECT_API_URL"] = PREFECT_API_URL.value()
+    init = {"runtime_env": {"env_vars": env}}
+    if not cfg.ray_address:
+        init.update(num_cpus=cfg.workers, include_dashboard=False, log_to_driver=False)
+    return RayTaskRunner(address=cfg.ray_address or None, init_kwargs=init)
 
 
 @flow(name="train-specialists", flow_run_name=from_parameters(SpecialistsConfig, specialists_name))
@@ -28,7 +54,10 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
     base_uri = cfg.base_uri or latest_base()
     world_path = build_world_task(cfg.world)
     base_fp = checkpoint_fingerprint(base_uri) if Path(base_uri).exists() else base_uri
-    with ThreadPoolTaskRunner(max_workers=cfg.workers) as runner:
+    # Create the tracking store and experiment here, once: worker processes (Ray) racing to create a fresh sqlite
+    # store's tables fail.
+    setup_mlflow(SPECIALISTS_EXPERIMENT)
+    with task_runner(cfg) as runner:
         futures = [
             runner.submit(train_specialist, parameters=dict(
                 world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=cfg.train))

@@ -240,7 +240,11 @@ class SpecialistsConfig(_Config):
     base_uri: str = Field("", description="Base checkpoint (local path or hub id); empty = the pipeline's base.")
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
     min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
-    workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
+    workers: int = Field(2, ge=1, le=64, description="Specialists trained at once.")
+    runner: Literal["threads", "ray"] = Field(
+        "threads", description="Prefect task runner of the fan-out: threads (local default) or ray (extra 'ray')."
+    )
+    ray_address: str = Field("", description="runner ray: address of an existing Ray cluster; empty = start a local one.")
     name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names are PREFIX-ROUTE (e.g. spec-rev-high).")
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -17,6 +19,9 @@ from tasks.models import load_model, save_model
 from tasks.paths import models_dir
 from tasks.tokenizer import load_tokenizer
 from tasks.tracking import config_params, end_run, log_metrics, start_run, tracking_uri
+
+
+SPECIALISTS_EXPERIMENT = "opd-specialists"
 
 
 def specialist_dir(world_path: str, route: str, base_fingerprint: str, train: TrainConfig) -> Path:
@@ -44,7 +49,7 @@ def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprin
     if len(tr) == 0:
         raise ValueError(f"route {route}: no training prompts in {world_path}")
     model = load_model(base_uri)
-    run_id = start_run("opd-specialists", f"specialist-{route}",
+    run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}",
                        {**config_params(train), "route": route, "base_uri": base_uri, "base_fingerprint": base_fingerprint})
     train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
               on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
@@ -53,6 +58,6 @@ def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprin
                 train.steps)
     out = save_model(model, tok, specialist_dir(world_path, route, base_fingerprint, train))
     MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
-    end_run(run_id, {"model_uri": str(out)})
+    end_run(run_id, {"model_uri": str(out), "process": f"{socket.gethostname()}:{os.getpid()}"})
     say(f"specialist {route}: accuracy {score.accuracy:.3f} on {score.n} held-out prompts -> {out}")
     return {"route": route, "uri": str(out), "accuracy": score.accuracy, "mlflow_run_id": run_id}

@@ -68,6 +68,13 @@ def test_rerun_skips_finished_specialists(quick_run):
     assert sorted(names) == sorted(result["teachers"])
     # Cached tasks do not run their body, so no new specialist training run appears in MLflow.
     assert len(client.search_runs([exp.experiment_id])) == before
+    # The default runner is threads: the specialists were trained in this very process.
+    import os
+    import socket
+
+    here = f"{socket.gethostname()}:{os.getpid()}"
+    mine = client.search_runs([exp.experiment_id], "params.base_uri = '%s'" % result["base_uri"])
+    assert mine and {r.data.tags["process"] for r in mine} == {here}
 
 
 # ------------------------------------------------------------------ operating it: names, model registry, compare

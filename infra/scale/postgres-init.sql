@@ -1,0 +1,3 @@
+-- One database each for Prefect and MLflow in the compose stack's Postgres.
+CREATE DATABASE prefect;
+CREATE DATABASE mlflow;
