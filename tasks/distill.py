@@ -46,7 +46,6 @@ class Batch:
     version: int
     rewards_B: torch.Tensor
     tokens: TokenInputs | None = None
-    seconds: float = 0.0  # time spent making the batch (generation and behaviour log-probs)
     generated: int = 0  # sequences generated for this batch (teacher-sample cache misses count too)
 
 
@@ -84,7 +83,6 @@ def sample_batch(
     """On-policy rollouts of ``model`` (sampled at ``sample_temperature``, no top-k/top-p; each row cut at its route's
     cap). With ``with_logprobs`` the behaviour log-probs (sampling temperature) and the old policy's log-probs
     (divergence temperature) of the sampled tokens are recorded for the importance ratio and the per-token advantage."""
-    t0 = time.perf_counter()
     rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature)
     rollout = cap_responses(rollout, caps_B, tok.eos_token_id)
     tokens = None
@@ -93,7 +91,7 @@ def sample_batch(
         lp = token_logprobs(model, rollout, temps)
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
     rewards_B = verifier_rewards(tok, rollout, routes, problems)
-    return Batch(rollout, routes, problems, True, version, rewards_B, tokens, time.perf_counter() - t0, len(prompts))
+    return Batch(rollout, routes, problems, True, version, rewards_B, tokens, len(prompts))
 
 
 class OffPolicyData:
@@ -119,7 +117,6 @@ class OffPolicyData:
         self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
 
     def batch(self, prompts: list[str], routes: list[str], problems: list[str], caps_B: list[int]) -> Batch:
-        t0 = time.perf_counter()
         generated = 0
         if self.source == "dataset":
             missing = [p for p in prompts if p not in self.gold]
@@ -132,7 +129,7 @@ class OffPolicyData:
             responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
         rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses), caps_B, self.tok.eos_token_id)
         rewards_B = verifier_rewards(self.tok, rollout, routes, problems)
-        return Batch(rollout, routes, problems, False, -1, rewards_B, None, time.perf_counter() - t0, generated)
+        return Batch(rollout, routes, problems, False, -1, rewards_B, None, generated)
 
     def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int]) -> int:
         """Sample the missing (teacher, prompt) completions, one generate call per teacher. Returns how many."""
@@ -363,6 +360,7 @@ def opd_step(
 ) -> StepStats:
     """One plain on-policy step with one objective for every route: sample, score, update (``routes[i]`` is row i's
     route, ``groups`` maps each teacher to the rows it scores)."""
+    t0 = time.perf_counter()
     batch = sample_batch(student, tok, prompts, routes, problems, [max_new_tokens] * len(prompts), 0,
                          objective.sample_temperature, objective.temperature, with_logprobs=objective.policy_gradient)
     t1 = time.perf_counter()
@@ -370,5 +368,5 @@ def opd_step(
     t2 = time.perf_counter()
     stats = update_step(student, batch, hidden, {r: objective for r in set(routes)}, optimizer, scheduler,
                         chunk_size, grad_clip)
-    stats.seconds.update(generate=batch.seconds, teacher=t2 - t1)
+    stats.seconds.update(generate=t1 - t0, teacher=t2 - t1)
     return stats

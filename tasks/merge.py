@@ -230,17 +230,16 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
     loop = MergeLoop(cfg, world_path, router, run_id)
     base_scores = loop.baseline()
     routes = loop.routes
+    cold_start = {r: opd.cold_start_objective() for r in routes}
     if opd.cold_start_steps:
         say(f"cold start: {opd.cold_start_steps} steps of {opd.cold_start_loss} on {opd.off_policy_source} completions")
-        loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0,
-                   {r: opd.cold_start_objective() for r in routes})
+        loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0, cold_start)
     if opd.gate_threshold > 0:
         result = loop.gate()
         for _ in range(opd.gate_retries if opd.cold_start_steps else 0):
             if result.passed:
                 break
-            loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0,
-                       {r: opd.cold_start_objective() for r in routes})
+            loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0, cold_start)
             result = loop.gate()
         if not result.passed:
             hint = ("more opd.cold_start_steps or opd.gate_retries" if opd.cold_start_steps

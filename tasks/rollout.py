@@ -64,11 +64,21 @@ def generate(
     )
     model.train(was_training)
     P = enc.input_ids.shape[1]
-    resp_B_R = response_mask(out_B_T[:, P:], tok.eos_token_id)
-    full_resp_B_T = torch.cat([torch.zeros_like(enc.attention_mask), resp_B_R], dim=1)
-    attn_B_T = torch.cat([enc.attention_mask, resp_B_R], dim=1)
-    truncated_B = ~(out_B_T[:, P:] == tok.eos_token_id).any(-1)
-    return Rollout(out_B_T, attn_B_T, full_resp_B_T, truncated_B, P)
+    return _assemble(out_B_T, enc.attention_mask, response_mask(out_B_T[:, P:], tok.eos_token_id), tok.eos_token_id)
+
+
+def _assemble(sequences_B_T: torch.Tensor, prompt_mask_B_P: torch.Tensor, resp_B_R: torch.Tensor, eos_id: int) -> Rollout:
+    """A :class:`Rollout` from the full sequences, the (left-padded) prompt block's mask and the response mask; a row
+    is truncated when no EOS lies inside its response mask."""
+    P = prompt_mask_B_P.shape[1]
+    truncated_B = ~((sequences_B_T[:, P:] == eos_id) & resp_B_R.bool()).any(-1)
+    return Rollout(
+        sequences_B_T,
+        torch.cat([prompt_mask_B_P, resp_B_R], dim=1),
+        torch.cat([torch.zeros_like(prompt_mask_B_P), resp_B_R], dim=1),
+        truncated_B,
+        P,
+    )
 
 
 def cap_responses(rollout: Rollout, caps_B: list[int], eos_id: int) -> Rollout:
@@ -77,19 +87,10 @@ def cap_responses(rollout: Rollout, caps_B: list[int], eos_id: int) -> Rollout:
     R = rollout.sequences_B_T.shape[1] - rollout.prompt_width
     if all(c >= R for c in caps_B):
         return rollout
-    pos_R = torch.arange(R)
-    keep_B_R = (pos_R[None, :] < torch.tensor(caps_B)[:, None]).long()
-    resp_B_R = rollout.response_mask_B_T[:, rollout.prompt_width:] * keep_B_R
-    gen_B_R = rollout.sequences_B_T[:, rollout.prompt_width:]
-    truncated_B = ~((gen_B_R == eos_id) & resp_B_R.bool()).any(-1)
     P = rollout.prompt_width
-    return Rollout(
-        rollout.sequences_B_T,
-        torch.cat([rollout.attention_mask_B_T[:, :P], resp_B_R], dim=1),
-        torch.cat([torch.zeros_like(rollout.attention_mask_B_T[:, :P]), resp_B_R], dim=1),
-        truncated_B,
-        P,
-    )
+    keep_B_R = (torch.arange(R)[None, :] < torch.tensor(caps_B)[:, None]).long()
+    resp_B_R = rollout.response_mask_B_T[:, P:] * keep_B_R
+    return _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos_id)
 
 
 def rollout_from_responses(tok: PreTrainedTokenizerBase, prompts: list[str], responses: list[list[int]]) -> Rollout:
@@ -102,15 +103,7 @@ def rollout_from_responses(tok: PreTrainedTokenizerBase, prompts: list[str], res
         gen_B_R[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     lens_B = torch.tensor([len(ids) for ids in responses])
     resp_B_R = (torch.arange(R)[None, :] < lens_B[:, None]).long()
-    truncated_B = ~((gen_B_R == tok.eos_token_id) & resp_B_R.bool()).any(-1)
-    P = enc.input_ids.shape[1]
-    return Rollout(
-        torch.cat([enc.input_ids, gen_B_R], dim=1),
-        torch.cat([enc.attention_mask, resp_B_R], dim=1),
-        torch.cat([torch.zeros_like(enc.attention_mask), resp_B_R], dim=1),
-        truncated_B,
-        P,
-    )
+    return _assemble(torch.cat([enc.input_ids, gen_B_R], dim=1), enc.attention_mask, resp_B_R, tok.eos_token_id)
 
 
 def response_ids(rollout: Rollout) -> list[list[int]]:
