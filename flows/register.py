@@ -31,6 +31,8 @@ class RegisterConfig(_Config):
     eval_score: Optional[float] = Field(None, ge=0, le=1, description="Its accuracy on its route, if known.")
     replace: bool = Field(False, description="Overwrite a teacher of the same name.")
     trust_remote_code: bool = Field(False, description="Allow the checkpoint's own modelling code (off by default).")
+    endpoint: str = Field("", description="vLLM OpenAI-compatible server serving it (http://host:port); checked "
+                          "against the checkpoint's log-probs before registering.")
     mlflow: bool = Field(True, description="Also register it in the MLflow model registry (model teacher-ROUTE).")
 
     @field_validator("route")
@@ -46,7 +48,7 @@ def register_teacher(cfg: RegisterConfig) -> dict:
     record = TeacherRegistry().register_checkpoint(
         cfg.name, cfg.route, cfg.model_uri, cfg.student_tokenizer or str(world_dir() / "tokenizer"),
         eval_score=cfg.eval_score, provenance=Provenance(source="register-teacher"), replace=cfg.replace,
-        trust_remote_code=cfg.trust_remote_code,
+        trust_remote_code=cfg.trust_remote_code, endpoint=cfg.endpoint,
     )
     out = {"name": record.name, "route": record.route, "model_uri": record.model_uri}
     say(f"registered teacher {record.name} for route {record.route} ({record.model_uri})")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tasks.losses import Correction, LossName, Objective, TopKSource, TopKSupport
-from tasks.world import BUDGETS, DOMAINS, Route, check_route, check_template
+from tasks.world import BUDGETS, DOMAINS, Route, all_routes, check_route, check_template
 
 OffPolicySourceName = Literal["teacher", "dataset"]
 
@@ -31,18 +31,23 @@ class WorldConfig(_Config):
 
     routes: list[str] = Field(
         default_factory=lambda: ["shift-low", "shift-high", "rev-low", "rev-high", "sort-low", "sort-high"],
-        description="Routes to build, each DOMAIN-BUDGET (e.g. rev-high), domain in shift/rev/sort, budget low/high.",
+        description="Routes to build, each DOMAIN-BUDGET (e.g. rev-high), domain in shift/rev/sort/add, budget "
+        "low/high/long; 'all' = the 12 routes of the built-in world.",
     )
     seed: int = Field(0, ge=0, description="Seed of the prompt generator (the prompt sets are deterministic in it).")
     train_size: int = Field(3000, ge=1, le=1_000_000, description="Training prompts per route.")
     eval_size: int = Field(200, ge=1, le=100_000, description="Held-out evaluation prompts per route.")
+    # The long routes get longer problems so that their trace is >= 40 characters (sort-long's always is).
     min_len: dict[str, int] = Field(
-        default_factory=lambda: {"shift": 2, "rev": 2, "sort": 3},
-        description="Shortest problem per domain (letters for shift and rev, digits for sort).",
+        default_factory=lambda: {"shift": 2, "rev": 2, "sort": 3, "add": 1,
+                                 "shift-long": 5, "rev-long": 5, "add-long": 4},
+        description="Shortest problem per domain (letters for shift and rev, digits for sort, digits of each operand "
+        "for add); an entry for a route (e.g. rev-long) overrides its domain's.",
     )
     max_len: dict[str, int] = Field(
-        default_factory=lambda: {"shift": 6, "rev": 6, "sort": 10},
-        description="Longest problem per domain.",
+        default_factory=lambda: {"shift": 6, "rev": 6, "sort": 10, "add": 3,
+                                 "shift-long": 6, "rev-long": 6, "add-long": 5},
+        description="Longest problem per domain; an entry for a route overrides its domain's.",
     )
     prompt_files: dict[str, str] = Field(
         default_factory=dict,
@@ -56,6 +61,8 @@ class WorldConfig(_Config):
     @field_validator("routes")
     @classmethod
     def _routes(cls, v: list[str]) -> list[str]:
+        if v == ["all"]:
+            v = [r.name for r in all_routes()]
         if not v:
             raise ValueError("at least one route is needed")
         for r in v:
@@ -66,12 +73,19 @@ class WorldConfig(_Config):
 
     @model_validator(mode="after")
     def _lengths(self) -> "WorldConfig":
-        for d in DOMAINS:
-            lo, hi = self.min_len.get(d), self.max_len.get(d)
+        keys = set(self.min_len) | set(self.max_len)
+        for key in sorted(keys - set(DOMAINS)):
+            try:
+                check_route(Route.parse(key))
+            except ValueError as e:
+                raise ValueError(
+                    f"min_len/max_len key {key!r} is neither a domain {sorted(DOMAINS)} nor a route: {e}") from None
+        for name in sorted(keys | set(self.routes)):
+            lo, hi = self.lengths(name)
             if lo is None or hi is None:
-                raise ValueError(f"min_len and max_len need an entry for domain {d!r}")
+                raise ValueError(f"min_len and max_len need an entry for {name!r} (or its domain)")
             if not 1 <= lo <= hi <= 40:
-                raise ValueError(f"domain {d!r}: need 1 <= min_len ({lo}) <= max_len ({hi}) <= 40")
+                raise ValueError(f"{name!r}: need 1 <= min_len ({lo}) <= max_len ({hi}) <= 40")
         for r in self.prompt_files:
             if r not in self.routes:
                 raise ValueError(f"prompt_files names route {r!r}, which is not in routes {self.routes}")
@@ -83,6 +97,11 @@ class WorldConfig(_Config):
 
     def route_objs(self) -> list[Route]:
         return [Route.parse(r) for r in self.routes]
+
+    def lengths(self, name: str) -> tuple[int | None, int | None]:
+        """(min_len, max_len) of a route (``rev-long``: its own entries, else its domain's) or of a domain."""
+        domain = name.split("-", 1)[0]
+        return self.min_len.get(name, self.min_len.get(domain)), self.max_len.get(name, self.max_len.get(domain))
 
 
 class ModelConfig(_Config):
@@ -175,9 +194,43 @@ class OPDConfig(_Config):
     max_resident_teachers: int = Field(
         0, ge=0, le=1024, description="Teachers kept loaded at once, least recently used evicted (0 = all)."
     )
+    rollout_backend: Literal["hf", "vllm"] = Field(
+        "hf", description="Student rollouts: transformers generate (hf) or a persistent vLLM engine with weight sync."
+    )
+    teacher_backend: Literal["hf", "vllm"] = Field(
+        "hf", description="Teacher scoring: in-process forward (hf) or vLLM prompt log-probs (the teacher's "
+        "registered endpoint, else an in-process engine)."
+    )
+    vllm_kv_cache_mb: int = Field(64, ge=1, le=1 << 20, description="CPU vLLM engines: KV-cache size per engine (MiB).")
+    parity_tol: float = Field(
+        1e-3, gt=0, le=10.0, description="Preflight: max |log p| gap allowed between a vLLM engine and transformers."
+    )
     eval_every: int = Field(100, ge=1, description="Evaluate every N steps (and at the start and the end).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
+    nproc: int = Field(
+        1, ge=1, le=1024, description="Processes of the student update (FSDP, each one shard of the student and of "
+        "every batch); 1 = no sharding."
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend when nproc > 1: auto = gloo (the pipeline's models run on CPU)."
+    )
+
+    @model_validator(mode="after")
+    def _sharded(self) -> "OPDConfig":
+        if self.nproc == 1:
+            return self
+        if self.dist_backend == "nccl":
+            raise ValueError("opd.dist_backend 'nccl' needs the student on GPUs; this pipeline runs its models on CPU: "
+                             "use 'gloo' or 'auto'")
+        if self.batch_size < self.nproc:
+            raise ValueError(f"opd.batch_size {self.batch_size} < opd.nproc {self.nproc}: every process needs a row")
+        unsupported = {"overlap_generation": self.overlap_generation, "rollout_backend 'vllm'":
+                       self.rollout_backend == "vllm", "teacher_backend 'vllm'": self.teacher_backend == "vllm"}
+        for name, on in unsupported.items():
+            if on:
+                raise ValueError(f"opd.nproc > 1 (a sharded student) does not support opd.{name}: set opd.nproc 1")
+        return self
 
     @model_validator(mode="after")
     def _objectives(self) -> "OPDConfig":
@@ -198,6 +251,12 @@ class OPDConfig(_Config):
             raise ValueError(f"top_k_stop_grad applies to reverse_kl, but no route uses it (loss = {self.loss!r})")
         if self.top_k_stop_grad and not self.top_k:
             raise ValueError("top_k_stop_grad needs top_k > 0")
+        if (self.rollout_backend == "vllm" and self.overlap_generation
+                and self.sample_temperature != self.divergence_temperature):
+            raise ValueError(
+                "rollout_backend 'vllm' with overlap_generation needs sample_temperature == divergence_temperature: "
+                "the old policy's log-probs then come from the engine itself"
+            )
         self.cold_start_objective()
         if self.cold_start_loss == "sampled_token":
             raise ValueError("cold_start_loss cannot be 'sampled_token': the cold start learns from off-policy data")
@@ -307,10 +366,10 @@ QUICK_OVERRIDES: dict[str, Any] = {
         "routes": ["rev-low", "rev-high", "sort-low"],
         "train_size": 1500,
         "eval_size": 100,
-        "min_len": {"shift": 2, "rev": 2, "sort": 3},
-        "max_len": {"shift": 4, "rev": 4, "sort": 6},
+        "min_len": {"shift": 2, "rev": 2, "sort": 3, "add": 1},
+        "max_len": {"shift": 4, "rev": 4, "sort": 6, "add": 2},
     },
-    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 256},
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
     "base_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
     "specialist_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
     "opd": {"steps": 500, "eval_every": 100, "batch_size": 48, "lr": 5e-4, "warmup_steps": 30},

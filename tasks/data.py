@@ -71,8 +71,7 @@ def route_splits(cfg: WorldConfig, route: Route) -> tuple[list[str], list[str]]:
             test_size=min(cfg.eval_size, max(1, len(problems) // 10)), seed=cfg.seed
         )
         return list(split["train"]["problem"]), list(split["test"]["problem"])
-    dom = route.domain
-    lo, hi = cfg.min_len[dom], cfg.max_len[dom]
+    lo, hi = cfg.lengths(route.name)
     # Eval problems come from their own stream (seed offset) and training excludes them.
     eval_problems = sample_problems(route, cfg.eval_size, cfg.seed + 1_000_003, lo, hi)
     train = sample_problems(route, cfg.train_size, cfg.seed, lo, hi, exclude=set(eval_problems))

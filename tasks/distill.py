@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tasks.engines import ServedTeacher, VLLMRollout, rollout_with_logprobs, served_scores
 from tasks.losses import Objective, TokenInputs, chunked_objective
 from tasks.rollout import (
     Rollout,
@@ -79,14 +80,24 @@ def sample_batch(
     sample_temperature: float = 1.0,
     divergence_temperature: float = 1.0,
     with_logprobs: bool = False,
+    engine: VLLMRollout | None = None,
 ) -> Batch:
     """On-policy rollouts of ``model`` (sampled at ``sample_temperature``, no top-k/top-p; each row cut at its route's
-    cap). With ``with_logprobs`` the behaviour log-probs (sampling temperature) and the old policy's log-probs
-    (divergence temperature) of the sampled tokens are recorded for the importance ratio and the per-token advantage."""
-    rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature)
-    rollout = cap_responses(rollout, caps_B, tok.eos_token_id)
+    cap), by transformers or by the vLLM ``engine`` holding ``model``'s weights. With ``with_logprobs`` the behaviour
+    log-probs (sampling temperature) and the old policy's log-probs (divergence temperature) of the sampled tokens
+    are recorded for the importance ratio and the per-token advantage; the engine's own log-probs serve as the
+    behaviour log-probs."""
     tokens = None
-    if with_logprobs:
+    if engine is not None and with_logprobs:
+        rollout, logq_beh_B_T, logq_old_B_T = rollout_with_logprobs(
+            engine, model, prompts, caps_B, sample_temperature, divergence_temperature)
+        tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_beh_B_T, logq_old_B_T)
+    elif engine is not None:
+        rollout, _ = engine.generate(prompts, caps_B, sample_temperature)
+    else:
+        rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature)
+        rollout = cap_responses(rollout, caps_B, tok.eos_token_id)
+    if with_logprobs and tokens is None:
         temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
         lp = token_logprobs(model, rollout, temps)
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
@@ -169,6 +180,10 @@ class BatchProducer:
     With ``overlap`` the next batch is made in a background thread from a copy of the student (the rollout model)
     while the current update runs; the copy gets the student's weights each time a batch is taken, so a batch is one
     update behind (``staleness`` 1, more with rollout reuse) and the importance ratio corrects for it.
+
+    With a vLLM ``engine`` the engine is the rollout model: the student's weights are pushed into it before it
+    generates a batch for a newer student (after every optimizer step when each batch serves one update), and
+    ``sync_seconds`` is that push's cost.
     """
 
     def __init__(
@@ -183,11 +198,14 @@ class BatchProducer:
         divergence_temperature: float = 1.0,
         with_logprobs: bool = False,
         overlap: bool = False,
+        engine: VLLMRollout | None = None,
     ):
         self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
-        self.batch_size, self.with_logprobs, self.overlap = batch_size, with_logprobs, overlap
+        self.batch_size, self.with_logprobs, self.overlap, self.engine = batch_size, with_logprobs, overlap, engine
         self.temps = (sample_temperature, divergence_temperature)
-        self.rollout_model = copy.deepcopy(student).eval().requires_grad_(False) if overlap else None
+        self.rollout_model = None
+        if overlap and engine is None:
+            self.rollout_model = copy.deepcopy(student).eval().requires_grad_(False)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
         self.pending: Future | None = None
         self.sync_seconds = 0.0  # time of the last weight sync into the rollout model
@@ -197,26 +215,34 @@ class BatchProducer:
         caps_B = [self.caps[r] for r in routes]
         if on_policy:
             return sample_batch(model, self.tok, prompts, routes, problems, caps_B, version, *self.temps,
-                                with_logprobs=self.with_logprobs)
+                                with_logprobs=self.with_logprobs, engine=self.engine)
         return self.offpolicy.batch(prompts, routes, problems, caps_B)
 
     def next(self, lmbda: float, version: int) -> Batch:
         """The next batch; ``version`` is the number of optimizer steps the student has taken so far."""
         if not self.overlap:
-            return self._make(self.student, self.sampler.on_policy(lmbda), version, self.sampler.draw(self.batch_size))
+            on_policy = self.sampler.on_policy(lmbda)
+            if on_policy and self.engine is not None and self.engine.version != version:
+                self.engine.sync(self.student, version)
+                self.sync_seconds = self.engine.sync_seconds
+            return self._make(self.student, on_policy, version, self.sampler.draw(self.batch_size))
         if self.pending is None:
-            self._sync()
+            self._sync(version)
             self.pending = self._submit(lmbda, version)
         batch = self.pending.result()
-        self._sync()
+        self._sync(version)
         self.pending = self._submit(lmbda, version)
         return batch
 
     def _submit(self, lmbda: float, version: int) -> Future:
         on_policy, drawn = self.sampler.on_policy(lmbda), self.sampler.draw(self.batch_size)
-        return self.executor.submit(self._make, self.rollout_model, on_policy, version, drawn)
+        model = self.student if self.rollout_model is None else self.rollout_model  # the engine copies the student
+        return self.executor.submit(self._make, model, on_policy, version, drawn)
 
-    def _sync(self) -> None:
+    def _sync(self, version: int) -> None:
+        if self.engine is not None:
+            self.sync_seconds = self.engine.sync(self.student, version)
+            return
         t0 = time.perf_counter()
         with torch.no_grad():
             for dst, src in zip(self.rollout_model.parameters(), self.student.parameters()):
@@ -239,13 +265,26 @@ TeacherScores = dict[str, tuple[list[int], torch.Tensor, torch.nn.Module]]
 
 
 def score_with_teachers(
-    teachers: Mapping[str, PreTrainedModel], groups: dict[str, list[int]], rollout: Rollout
+    teachers: Mapping[str, PreTrainedModel],
+    groups: dict[str, list[int]],
+    rollout: Rollout,
+    served: Mapping[str, ServedTeacher] | None = None,
+    served_k: dict[str, int] | None = None,
+    vocab_size: int = 0,
 ) -> TeacherScores:
     """Final hidden states of each row's teacher on the student's exact sequence, one forward per teacher over its
     rows (``groups``: teacher -> row indices, as :meth:`teachers.router.Router.group` makes them):
     teacher -> (rows, hidden ``[b, T, H]``, output head). Keeping the head, not the model, lets a
-    :class:`tasks.teacher_pool.TeacherPool` evict the teacher before the update."""
+    :class:`tasks.teacher_pool.TeacherPool` evict the teacher before the update.
+
+    With ``served`` (teacher -> vLLM engine or endpoint) each teacher instead returns the prompt log-probs of its
+    rows' sequences, top ``served_k[name]`` per position (-1: the whole vocabulary), packed with a
+    :class:`tasks.engines.ServedHead` in place of hidden states and head: one request batch per teacher."""
     out = {}
+    if served is not None:
+        for name, rows in groups.items():
+            out[name] = served_scores(served[name], rows, rollout, served_k[name], vocab_size)
+        return out
     with torch.no_grad():
         for name, rows in groups.items():
             idx = torch.tensor(rows)
@@ -276,23 +315,31 @@ def update_step(
     grad_clip: float = 1.0,
     route_weights: dict[str, float] | None = None,
     reward_weight: float = 0.0,
+    shard: slice | None = None,
 ) -> StepStats:
     """One optimizer step on ``batch``: rows are grouped by (teacher, route objective) and each group's objective is
     summed over its response tokens; the total is divided by the batch's response tokens. ``route_weights`` scale a
     route's tokens (default 1). A ``reward_weight`` adds the verifier outcome as a sequence advantage on on-policy
-    batches. Returns per-route statistics."""
+    batches. Returns per-route statistics.
+
+    ``shard`` (one rank's contiguous rows of a sharded student, :mod:`tasks.sharded`): only those rows are learned
+    from and ``teacher_hidden`` scores only them, while the normaliser and the reward baseline stay the whole batch's,
+    so the loss is these rows' share of the whole batch's and the ranks' summed gradients are its gradient; the
+    statistics cover these rows."""
     t0 = time.perf_counter()
     rollout, routes = batch.rollout, batch.routes
+    mine = shard or slice(0, len(routes))
     route_weights = route_weights or {}
     student.train()
     # Position t predicts token t+1: drop the last position, and mask to positions whose next token is a response token.
-    student_hidden_B_T_H = forward_hidden(student, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
+    student_hidden_b_T_H = forward_hidden(student, rollout.sequences_B_T[mine],
+                                          rollout.attention_mask_B_T[mine])[:, :-1]
     mask_B_T = rollout.loss_mask_B_T()
     total_tokens = max(int(mask_B_T.sum()), 1)
     seq_adv_B = None
     if reward_weight > 0 and batch.on_policy:
         seq_adv_B = sequence_advantages(batch.rewards_B, routes, reward_weight)
-    loss = student_hidden_B_T_H.new_zeros(())
+    loss = student_hidden_b_T_H.new_zeros(())
     stats = StepStats(loss=0.0, tokens=total_tokens)
     for name, (rows, hidden_b_T_H, teacher_head) in teacher_hidden.items():
         by_objective: dict[Objective, list[int]] = {}
@@ -307,7 +354,7 @@ def update_step(
                 tokens = TokenInputs(batch.tokens.targets_B_T[idx], batch.tokens.logq_behaviour_B_T[idx],
                                      batch.tokens.logq_old_B_T[idx])
             res = chunked_objective(
-                student_hidden_B_T_H[idx],
+                student_hidden_b_T_H[idx - mine.start],
                 hidden_b_T_H[torch.tensor(js), :-1],
                 student.get_output_embeddings(),
                 teacher_head,
@@ -325,7 +372,8 @@ def update_step(
                 stats.loss_sum[r] = stats.loss_sum.get(r, 0.0) + float(res.loss_sum_B[k])
                 stats.kl_sum[r] = stats.kl_sum.get(r, 0.0) + float(res.reverse_kl_sum_B[k])
                 stats.kl_tokens[r] = stats.kl_tokens.get(r, 0.0) + float(res.tokens_B[k])
-    for row, r in enumerate(routes):
+    for row in range(mine.start, mine.stop):
+        r = routes[row]
         stats.sequences[r] = stats.sequences.get(r, 0) + 1
         stats.truncated[r] = stats.truncated.get(r, 0) + int(rollout.truncated_B[row])
         stats.reward_sum[r] = stats.reward_sum.get(r, 0.0) + float(batch.rewards_B[row])

@@ -61,11 +61,14 @@ def load_model(uri: str | Path, trust_remote_code: bool = False, dtype: torch.dt
     return model
 
 
-def save_model(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
-    """Save weights (safetensors) and tokenizer side by side so the folder is a complete checkpoint."""
+def save_model(
+    model: PreTrainedModel, tok: PreTrainedTokenizerBase, out_dir: str | Path, state_dict: dict | None = None
+) -> Path:
+    """Save weights (safetensors) and tokenizer side by side so the folder is a complete checkpoint. ``state_dict``
+    (a sharded model's gathered full weights) replaces the model's own."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
     tok.save_pretrained(out)
     return out
 

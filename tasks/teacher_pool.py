@@ -39,6 +39,13 @@ class TeacherPool(Mapping):
         self.resident[name] = model
         return model
 
+    def resident_first(self, groups: Mapping[str, list[int]]) -> dict[str, list[int]]:
+        """``groups`` (teacher -> rows) reordered so that resident teachers score first, least recently used first.
+        A step that needs more teachers than fit then loads each missing teacher once and evicts only teachers it
+        has already used: 12 teachers with 4 resident cost 8 loads a step instead of ~11 in arbitrary order."""
+        order = [n for n in self.resident if n in groups] + [n for n in groups if n not in self.resident]
+        return {n: groups[n] for n in order}
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 

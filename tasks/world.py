@@ -1,8 +1,9 @@
 """The built-in world: synthetic verifiable domains, reasoning budgets and prompt formatting.
 
 A route is ``<domain>-<budget>``. The budget is part of the prompt (a tag token), so one student must learn to
-answer directly (``low``) or write a short scratchpad before the answer (``high``). A completion is
-``[scratchpad SEP] answer EOS``; verifiers look only at the text after the last separator.
+answer directly (``low``), write a short scratchpad before the answer (``high``), or write a step-by-step trace of
+at least 40 characters (``long``) in which each step carries state from the previous one and the answer is read off
+every step. A completion is ``[scratchpad SEP] answer EOS``; verifiers look only at the text after the last separator.
 
 Everything here is pure Python: no torch, no I/O.
 """
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 # Bump when a domain's generator, answer or scratchpad changes: cached prompt sets are keyed on it.
-WORLD_VERSION = 3
-BUDGETS: tuple[str, ...] = ("low", "high")
+WORLD_VERSION = 4
+BUDGETS: tuple[str, ...] = ("low", "high", "long")
 ANSWER_SEP = "|"
+STEP_SEP = ","  # between the steps of a ``long`` trace
 PROMPT_END = "="
 ROUTE_RE = re.compile(r"^(?P<domain>[a-z][a-z0-9_]*)-(?P<budget>[a-z][a-z0-9_]*)$")
 
@@ -50,16 +52,42 @@ class Domain:
     """A verifiable task family.
 
     ``sample(rng, min_len, max_len)`` draws a problem string; ``answer(problem)`` is the gold final answer;
-    ``scratchpad(problem)`` is the working written at the ``high`` budget. ``min_len``/``max_len`` count the
-    letters (shift, rev) or digits (sort) of a problem.
+    ``scratchpad(problem)`` is the working written at the ``high`` budget. The ``long`` budget writes a trace run by
+    a little state machine: ``start(problem)`` is the first step and ``advance(problem, step)`` computes the next
+    step from the previous one alone (None after the last), so an error in one step carries into every later step;
+    ``replay(steps)`` reads the answer off the trace (ValueError when the trace is unfinished). Every step matches
+    ``step_re``. ``min_len``/``max_len`` count the letters (shift, rev), digits (sort) or digits of each operand
+    (add) of a problem.
     """
 
     name: str
     sample: Callable[[random.Random, int, int], str]
     answer: Callable[[str], str]
     scratchpad: Callable[[str], str]
+    start: Callable[[str], str]
+    advance: Callable[[str, str], str | None]
+    replay: Callable[[list[str]], str]
     problem_re: re.Pattern
     answer_re: re.Pattern
+    step_re: re.Pattern
+
+    def steps(self, problem: str) -> list[str]:
+        """The ``long`` trace of a problem: ``start``, then ``advance`` until it stops."""
+        steps = [self.start(problem)]
+        while (nxt := self.advance(problem, steps[-1])) is not None:
+            steps.append(nxt)
+        return steps
+
+
+# Tape traces (shift, rev, add): a step is ``INPUT LEFT>OUTPUT SO FAR``; each step moves one element from the tape to
+# the output, so the last step is ``>ANSWER`` (add: ``+>ANSWER``) and every step is computed from the one before.
+
+
+def _read_tape(steps: list[str]) -> str:
+    rest, _, out = steps[-1].partition(">")
+    if rest.strip("+"):
+        raise ValueError(f"the trace stops with {rest!r} still on the tape")
+    return str(int(out)) if "+" in rest else out  # add: the final carry may be a leading 0
 
 
 def _sample_shift(rng: random.Random, min_len: int, max_len: int) -> str:
@@ -79,6 +107,70 @@ def _answer_shift(problem: str) -> str:
 def _scratch_shift(problem: str) -> str:
     """The rule first, as where ``a`` goes: 2:xyz -> ``a>c``."""
     return f"a>{_shift('a', int(problem.split(':')[0]))}"
+
+
+def _advance_shift(problem: str, step: str) -> str | None:
+    """The first letter on the tape leaves it shifted, at the end of the output: 2:abz -> ``abz>,bz>c,z>cd,>cdb``."""
+    return None if step.startswith(">") else step[1:] + _shift(step[0], int(problem.split(":")[0]))
+
+
+def _advance_rev(problem: str, step: str) -> str | None:
+    """The first letter on the tape goes to the front of the output: abc -> ``abc>,bc>a,c>ba,>cba``."""
+    rest, _, out = step.partition(">")
+    return f"{rest[1:]}>{rest[0]}{out}" if rest else None
+
+
+def _start_sort(problem: str) -> str:
+    return f"0x{problem.count('0')}>{problem.count('0')}"
+
+
+def _advance_sort(problem: str, step: str) -> str | None:
+    """Counting sort: the next digit value, its count, the running total of digits so far:
+    5203 -> ``0x1>1,1x0>1,2x1>2,3x1>3,4x0>3,5x1>4,6x0>4,7x0>4,8x0>4,9x0>4``."""
+    d = int(step[0]) + 1
+    if d == 10:
+        return None
+    n = problem.count(str(d))
+    return f"{d}x{n}>{int(step.partition('>')[2]) + n}"
+
+
+def _replay_sort(steps: list[str]) -> str:
+    """The sorted digits from the running totals: digit d appears (total after d - total before d) times."""
+    if len(steps) != 10:
+        raise ValueError(f"a counting trace has 10 steps, not {len(steps)}")
+    out, before = [], 0
+    for step in steps:
+        total = int(step.partition(">")[2])
+        if total < before:
+            raise ValueError(f"running total goes down at step {step!r}")
+        out.append(step[0] * (total - before))
+        before = total
+    return "".join(out)
+
+
+def _sample_add(rng: random.Random, min_len: int, max_len: int) -> str:
+    def operand() -> str:
+        n = rng.randint(min_len, max_len)
+        return str(rng.randint(10 ** (n - 1) if n > 1 else 0, 10**n - 1))
+
+    return f"{operand()}+{operand()}"
+
+
+def _advance_add(problem: str, step: str) -> str | None:
+    """Column addition, units first: the last digit of each operand leaves the tape and, with the carry (the first
+    output digit), makes a two-digit column sum that replaces the carry: 57+65 -> ``57+65>0,5+6>12,+>122``."""
+    tape, _, out = step.partition(">")
+    a, b = tape.split("+")
+    if not a and not b:
+        return None
+    s = int(a[-1:] or 0) + int(b[-1:] or 0) + int(out[0])
+    return f"{a[:-1]}+{b[:-1]}>{s // 10}{s % 10}{out[1:]}"
+
+
+def _scratch_add(problem: str) -> str:
+    """The carry out of each column, units first (the first digit of each column sum of the long trace):
+    57+65 -> ``11``."""
+    return "".join(step.partition(">")[2][0] for step in DOMAINS["add"].steps(problem)[1:])
 
 
 def _sample_letters(alphabet: str) -> Callable[[random.Random, int, int], str]:
@@ -102,29 +194,54 @@ DOMAINS: dict[str, Domain] = {
         sample=_sample_shift,
         answer=_answer_shift,
         scratchpad=_scratch_shift,
+        start=lambda p: p.split(":")[1] + ">",
+        advance=_advance_shift,
+        replay=_read_tape,
         problem_re=re.compile(r"^[1-9]:[a-z]{1,40}$"),
         answer_re=re.compile(r"^[a-z]+$"),
+        step_re=re.compile(r"^[a-z]*>[a-z]*$"),
     ),
     "rev": Domain(
         name="rev",
         sample=_sample_letters(LETTERS),
         answer=lambda p: p[::-1],
         scratchpad=lambda p: str(len(p)),
+        start=lambda p: p + ">",
+        advance=_advance_rev,
+        replay=_read_tape,
         problem_re=re.compile(r"^[a-z]{1,40}$"),
         answer_re=re.compile(r"^[a-z]+$"),
+        step_re=re.compile(r"^[a-z]*>[a-z]*$"),
     ),
     "sort": Domain(
         name="sort",
         sample=_sample_letters(DIGITS),
         answer=lambda p: "".join(sorted(p)),
         scratchpad=_scratch_sort,
+        start=_start_sort,
+        advance=_advance_sort,
+        replay=_replay_sort,
         problem_re=re.compile(r"^\d{1,40}$"),
         answer_re=re.compile(r"^\d+$"),
+        step_re=re.compile(r"^\dx\d+>\d+$"),
+    ),
+    # Addition with carries: the answer is written most significant digit first, the carries run the other way.
+    "add": Domain(
+        name="add",
+        sample=_sample_add,
+        answer=lambda p: str(sum(int(x) for x in p.split("+"))),
+        scratchpad=_scratch_add,
+        start=lambda p: p + ">0",
+        advance=_advance_add,
+        replay=_read_tape,
+        problem_re=re.compile(r"^\d{1,40}\+\d{1,40}$"),
+        answer_re=re.compile(r"^\d+$"),
+        step_re=re.compile(r"^\d*\+\d*>\d+$"),
     ),
 }
 
 # Every character a prompt or completion of the built-in world can contain, besides special tokens.
-CHARSET: str = "".join(sorted(set(DIGITS + LETTERS + "=|,:x>")))
+CHARSET: str = "".join(sorted(set(DIGITS + LETTERS + "=|,:x>+")))
 
 
 def domain_of(route: Route) -> Domain:
@@ -143,6 +260,7 @@ def check_route(route: Route) -> Route:
 
 
 def all_routes() -> list[Route]:
+    """Every route of the built-in world (4 domains x 3 budgets), domain by domain."""
     return [Route(d, b) for d in DOMAINS for b in BUDGETS]
 
 
@@ -191,13 +309,20 @@ def format_prompt(route: Route, problem: str, bos: str = "<bos>", template: str 
     return template.format(bos=bos, domain=d, budget=b, problem=problem)
 
 
+def scratchpad(route: Route, problem: str) -> str:
+    """The working written before the answer: none at ``low``, the domain's short scratchpad at ``high``, the
+    step-by-step trace at ``long``."""
+    dom = domain_of(route)
+    if route.budget == "long":
+        return STEP_SEP.join(dom.steps(problem))
+    return dom.scratchpad(problem) if route.budget == "high" else ""
+
+
 def gold_completion(route: Route, problem: str) -> str:
     """The reference completion text (without EOS) that specialists are fine-tuned on."""
-    dom = domain_of(route)
-    answer = dom.answer(problem)
-    if route.budget == "high":
-        return f"{dom.scratchpad(problem)}{ANSWER_SEP}{answer}"
-    return answer
+    answer = domain_of(route).answer(problem)
+    work = scratchpad(route, problem)
+    return f"{work}{ANSWER_SEP}{answer}" if work else answer
 
 
 def extract_answer(completion: str) -> str:
@@ -211,11 +336,14 @@ def verify(route: Route, problem: str, completion: str) -> bool:
 
 
 def format_ok(route: Route, completion: str) -> bool:
-    """True when a completion has the route's shape, right or wrong: at the ``high`` budget a non-empty scratchpad,
-    one separator and an answer; at ``low`` the answer alone; the answer in the domain's alphabet."""
+    """True when a completion has the route's shape, right or wrong: at the ``high`` and ``long`` budgets a
+    non-empty scratchpad (at ``long``, steps of the domain's step format), one separator and an answer; at ``low``
+    the answer alone; the answer in the domain's alphabet."""
     dom = domain_of(route)
-    if route.budget == "high":
+    if route.budget != "low":
         scratch, sep, answer = completion.partition(ANSWER_SEP)
+        if route.budget == "long" and not all(dom.step_re.match(s) for s in scratch.split(STEP_SEP)):
+            return False
         return bool(scratch) and bool(sep) and ANSWER_SEP not in answer and bool(dom.answer_re.match(answer))
     return bool(dom.answer_re.match(completion))
 

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--eval-score", type=float, default=None, help="accuracy on its route, in [0, 1]")
     reg.add_argument("--replace", action="store_true", help="overwrite a teacher of the same name")
     reg.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
+    reg.add_argument("--endpoint", default="", help="vLLM OpenAI-compatible server serving this checkpoint "
+                     "(http://host:port); its log-probs are checked against the checkpoint before registering")
+    reg.add_argument("--parity-tol", type=float, default=1e-3,
+                     help="largest |log p| gap allowed between the endpoint and the checkpoint's fp32 forward "
+                     "(a bf16 server needs ~0.05)")
     reg.add_argument("--no-mlflow", action="store_true",
                      help="do not also register it in the MLflow model registry (model teacher-<route>)")
 
@@ -71,6 +76,8 @@ def run(args: argparse.Namespace) -> None:
             provenance=Provenance(source="cli"),
             replace=args.replace,
             trust_remote_code=args.trust_remote_code,
+            endpoint=args.endpoint,
+            parity_tol=args.parity_tol,
         )
         print(f"registered {record.name} (route {record.route}, tokenizer {record.tokenizer_fingerprint}) "
               f"in {registry.path}")

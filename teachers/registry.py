@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 REGISTRY_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+ENDPOINT_RE = re.compile(r"^https?://(?P<authority>[^/\s?#]+)(/[^\s]*)?$")
 
 
 class RegistryError(Exception):
@@ -96,11 +97,20 @@ class TeacherRecord(BaseModel):
     eval_score: float | None = Field(None, ge=0.0, le=1.0, description="accuracy on its route, if measured")
     provenance: Provenance = Field(default_factory=Provenance)
     trust_remote_code: bool = False
+    endpoint: str = Field(
+        "", description="vLLM OpenAI-compatible server serving model_uri (http://host:port), used by "
+        "opd.teacher_backend=vllm; empty = an in-process engine"
+    )
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
         return check_name(v)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        return check_endpoint(v)
 
     @field_validator("route")
     @classmethod
@@ -112,6 +122,19 @@ class TeacherRecord(BaseModel):
         return Route.parse(self.route)
 
 
+def check_endpoint(url: str) -> str:
+    """An endpoint is empty or ``http(s)://host[:port][/path]`` without credentials (the registry file is not a
+    secret store, and its records are logged)."""
+    if not url:
+        return url
+    m = ENDPOINT_RE.match(url)
+    if m is None:
+        raise ValueError(f"endpoint {url!r} is not an http(s) URL like 'http://127.0.0.1:8000'")
+    if "@" in m["authority"]:
+        raise ValueError("endpoint must not carry credentials (user:password@): keep secrets out of the registry")
+    return url.rstrip("/")
+
+
 def route_name(route: Route | str) -> str:
     """``"shift-high"`` from a Route or a string (checked: ValueError on a malformed one)."""
     return route.name if isinstance(route, Route) else Route.parse(route).name
@@ -121,6 +144,20 @@ def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
     """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags."""
     payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint] for r in records)
     return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+def _endpoint_parity_problems(name, uri, endpoint, tok, tol, trust_remote_code) -> list[str]:
+    """Ask the server to score a few fixed sequences and compare with the checkpoint's own forward."""
+    from tasks.engines import EndpointTeacher, check_parity, logprob_parity, parity_sequences
+    from tasks.models import load_model
+
+    try:
+        served = EndpointTeacher(name, endpoint)
+        seqs = parity_sequences(len(tok), tok.all_special_ids)
+        check_parity(f"teacher {name!r}", served.where, logprob_parity(served, load_model(uri, trust_remote_code), seqs), tol)
+    except Exception as e:  # an unreachable server, a refusal and a mismatch all mean: do not register it
+        return [f"endpoint {endpoint}: {type(e).__name__}: {_first_line(e)}"]
+    return []
 
 
 def _format_validation(err: ValidationError, where: str) -> str:
@@ -190,11 +227,15 @@ class TeacherRegistry:
         provenance: Provenance | None = None,
         replace: bool = False,
         trust_remote_code: bool = False,
+        endpoint: str = "",
+        parity_tol: float = 1e-3,
     ) -> TeacherRecord:
         """Check that any HF checkpoint can teach the student, then add it; nothing is written unless it can.
 
         Raises :class:`IncompatibleTeacher` listing every problem: a bad name or route, a config or tokenizer that
         does not load, a tokenizer that differs from ``reference_tokenizer`` (object or path), too small a vocab.
+        With an ``endpoint`` (a vLLM server) the server's prompt log-probs must also match the checkpoint's
+        transformers forward within ``parity_tol`` on a few fixed sequences.
         """
         # Imported here so that list/show/remove (and the CLI) do not pay for importing transformers.
         from transformers import AutoConfig
@@ -239,6 +280,12 @@ class TeacherRegistry:
         vocab_size = getattr(config, "vocab_size", None)
         if isinstance(vocab_size, int) and vocab_size < len(ref_tok):
             problems.append(f"model vocab_size {vocab_size} < {len(ref_tok)} tokens of the student tokenizer")
+        try:
+            check_endpoint(endpoint)
+        except ValueError as e:
+            problems.append(str(e))
+        if endpoint and not problems:
+            problems += _endpoint_parity_problems(name, uri, endpoint, ref_tok, parity_tol, trust_remote_code)
         if problems:
             raise IncompatibleTeacher(name, uri, problems)
 
@@ -251,6 +298,7 @@ class TeacherRegistry:
                 eval_score=eval_score,
                 provenance=provenance or Provenance(source="api"),
                 trust_remote_code=trust_remote_code,
+                endpoint=endpoint,
             )
         except ValidationError as e:
             raise RegistryError(_format_validation(e, f"teacher {name!r}")) from e

@@ -13,7 +13,18 @@ os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_STATE / "prefect" / "sto
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STATE / 'mlflow.db'}"
 os.environ.pop("OPD_REGISTRY", None)
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
+
+# vllm lives in its own environment on CPU machines (make vllm-env): infra/run-tests.sh runs tests/test_vllm.py there.
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+collect_ignore = [] if HAVE_VLLM else ["test_vllm.py"]
+
+
+def pytest_report_header(config):
+    if not HAVE_VLLM:
+        return "vllm is not importable here: tests/test_vllm.py is left out (it runs in .venv-vllm, see infra/run-tests.sh)"
 
 
 @pytest.fixture(scope="session")

