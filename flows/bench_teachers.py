@@ -9,8 +9,9 @@ every case. Each case runs the real merge loop (rollouts, per-teacher scoring, s
 on-policy steps after one warm-up step. The table is printed, logged to MLflow (experiment ``opd-bench-teachers``,
 with a chart and one run per case) and published as a Prefect table artifact.
 
-Run:  python -m flows.bench_teachers                                    # 2, 6, 12 teachers, 2 resident (~4 min)
-      python -m flows.bench_teachers --max_resident 4 --steps 12 --teacher_model.hidden_size 768
+Run:  python -m flows.bench_teachers                                    # 2, 6, 12 teachers, 2 resident (~2 min)
+      python -m flows.bench_teachers --max_resident 4 --steps 12 --teacher_model.hidden_size 1024 \
+          --teacher_model.num_heads 16 --teacher_model.intermediate_size 4096
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class BenchTeachersConfig(_Config):
     prompts_per_route: int = Field(200, ge=10, le=100_000, description="Training prompts generated per route.")
     student: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the (untrained) student.")
     teacher_model: ModelConfig = Field(
-        default_factory=lambda: ModelConfig(hidden_size=512, num_layers=4, num_heads=8, intermediate_size=2048),
+        default_factory=lambda: ModelConfig(hidden_size=768, num_layers=4, num_heads=12, intermediate_size=3072),
         description="Shape of the (untrained) teachers.",
     )
     seed: int = Field(0, ge=0, description="Seed of the initialisations and the merge.")

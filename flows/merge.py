@@ -4,6 +4,9 @@ MLflow.
 Run:  python -m flows.merge [--profile quick] [--student_uri PATH] [--teachers '["spec-shift-low", ...]']
                             [--opd.steps 300] [--opd.batch_size 64] [--experiment opd-merge] ...
       python -m flows.merge --profile quick --opd.nproc 2   # the student update on 2 processes (FSDP, gloo)
+
+The merge checkpoints itself every --opd.checkpoint_every steps: after a kill or a failure, run the same command
+again and it resumes from its last checkpoint into the same MLflow run (--opd.resume false starts over instead).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from prefect.artifacts import create_table_artifact
 from flows.names import current_run_name, from_parameters, merge_name
 from tasks.log import link, say
 from tasks.config import MergeConfig, pipeline_config
-from tasks.merge import run_merge, start_merge_run
+from tasks.merge import TrackingUnavailable, mark_failed, open_merge_run, run_merge
+from tasks.preflight import preflight_merge
 from tasks.pretrain import build_world_task, latest_base
-from tasks.tracking import end_run, format_retention_table, run_url, tracking_uri
+from tasks.tracking import format_retention_table, run_url, tracking_uri
 from teachers.registry import TeacherRegistry
 from teachers.router import Router
 
@@ -33,28 +37,33 @@ def route_teachers(cfg: MergeConfig, world_path: str) -> Router:
     counts: dict[str, int] = {}
     for r in load_prompts(world_path)["train"]["route"]:
         counts[r] = counts.get(r, 0) + 1
-    say("routing coverage:\n" + router.format_coverage(counts))
-    for w in router.warnings:
-        say(f"warning: {w}")
+    say("routing coverage:\n" + router.format_coverage(counts))  # its warnings were said by the preflight
     return router
 
 
 @flow(name="merge", flow_run_name=from_parameters(MergeConfig, merge_name))
 def merge(cfg: MergeConfig = MergeConfig()) -> dict:
     """Route -> OPD loop -> retention table; returns the MLflow run id, student URI and the table rows."""
+    preflight_merge(cfg)  # every bad input refused here, all at once, before any model is loaded
     if not cfg.student_uri:
         cfg = cfg.model_copy(update={"student_uri": latest_base()})
     world_path = build_world_task(cfg.world)
     router = route_teachers(cfg, world_path)
     run_name = current_run_name(merge_name(cfg))
-    run_id = start_merge_run(cfg, router, run_name)
-    say(f"MLflow run {run_id} ({run_name}) at {tracking_uri()}")
-    link(run_url(run_id), f"MLflow run {run_name}", "merge-mlflow-run", "Per-route metrics, retention table, student")
+    run_id, checkpoints = open_merge_run(cfg, router, run_name)  # a new run, or the one a killed attempt began
     try:
-        result = run_merge(cfg, world_path, router, run_id)
+        say(f"MLflow run {run_id} ({run_name}) at {tracking_uri()}")
+        link(run_url(run_id), f"MLflow run {run_name}", "merge-mlflow-run",
+             "Per-route metrics, retention table, student")
+        result = run_merge.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_seconds)(
+            cfg, world_path, router, run_id, str(checkpoints.root))
+    except TrackingUnavailable:
+        raise  # MLflow is down: marking the run would only wait for it again; a rerun resumes the run
     except BaseException:
-        end_run(run_id, status="FAILED")  # a crashed merge must not look like a run still in progress
+        mark_failed(run_id)  # a crashed merge must not look like a run still in progress
         raise
+    finally:
+        checkpoints.release()
     table = format_retention_table(result["rows"])
     mean = sum(r["retention"] for r in result["rows"]) / len(result["rows"])
     say(f"retention per route (mean {mean:.3f}):\n{table}")

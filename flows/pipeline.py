@@ -19,6 +19,7 @@ from flows.specialists import train_specialists
 from flows.names import from_parameters, pipeline_name
 from tasks.log import link, say
 from tasks.config import PipelineConfig, pipeline_config
+from tasks.preflight import preflight_pipeline
 from tasks.tracking import format_retention_table, run_url, tracking_uri
 
 
@@ -26,6 +27,7 @@ from tasks.tracking import format_retention_table, run_url, tracking_uri
 def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     """world -> base -> specialists -> registry -> OPD merge -> retention (each stage a subflow)."""
     t0 = time.perf_counter()
+    preflight_pipeline(cfg)  # every bad input refused here, all at once, before anything trains
     say(f"[1/3] prepare base ({cfg.profile} profile, routes {', '.join(cfg.world.routes)})")
     base = prepare_base(cfg.pretrain())
     say(f"[2/3] train specialists ({len(cfg.world.routes)} routes)")

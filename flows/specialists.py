@@ -1,5 +1,7 @@
 """Flow `train specialists`: one fine-tune of the base per route (fanned out on Prefect's task runner), each
 evaluated on its route's held-out prompts and registered as a teacher. Cached: a rerun skips finished specialists.
+A specialist that fails (after its --retries) does not stop the others: they are registered and cached, the flow then
+fails naming it, and the same command again trains only what is missing.
 
 Run:  python -m flows.specialists [--profile quick] [--base_uri PATH] [--train.steps 600] [--workers 2] ...
 """
@@ -57,9 +59,10 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
     # Create the tracking store and experiment here, once: worker processes (Ray) racing to create a fresh sqlite
     # store's tables fail.
     setup_mlflow(SPECIALISTS_EXPERIMENT)
+    train = train_specialist.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_seconds)
     with task_runner(cfg) as runner:
         futures = [
-            runner.submit(train_specialist, parameters=dict(
+            runner.submit(train, parameters=dict(
                 world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=cfg.train))
             for r in cfg.world.routes
         ]

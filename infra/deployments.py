@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from flows.bench_teachers import BenchTeachersConfig  # noqa: E402
 from flows.compare import CompareConfig  # noqa: E402
 from flows.evaluate import EvaluateConfig  # noqa: E402
 from flows.objectives import objectives_config  # noqa: E402
@@ -59,6 +60,8 @@ def deployments() -> list[dict[str, Any]]:
          "Retention per route across the newest merges, with the config fields that differ (table + chart)."),
         ("compare-objectives", "quick", "flows/objectives.py:compare_objectives", _cfg(objectives_config("quick")),
          "One merge per objective of the menu from the same base and teachers; one retention table."),
+        ("bench-teachers", "default", "flows/bench_teachers.py:bench_teachers", _cfg(BenchTeachersConfig()),
+         "Peak memory and step time of merges with 2, 6 and 12 (untrained) teachers, each in its own process."),
     ]
     out = []
     for flow_name, name, entrypoint, params, description in entries:

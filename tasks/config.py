@@ -31,7 +31,7 @@ class WorldConfig(_Config):
 
     routes: list[str] = Field(
         default_factory=lambda: ["shift-low", "shift-high", "rev-low", "rev-high", "sort-low", "sort-high"],
-        description="Routes to build, each DOMAIN-BUDGET (e.g. rev-high), domain in shift/rev/sort/add, budget "
+        description="Routes to build, each DOMAIN-BUDGET (e.g. rev-high), domain in shift/rev/sort/count, budget "
         "low/high/long; 'all' = the 12 routes of the built-in world.",
     )
     seed: int = Field(0, ge=0, description="Seed of the prompt generator (the prompt sets are deterministic in it).")
@@ -39,14 +39,14 @@ class WorldConfig(_Config):
     eval_size: int = Field(200, ge=1, le=100_000, description="Held-out evaluation prompts per route.")
     # The long routes get longer problems so that their trace is >= 40 characters (sort-long's always is).
     min_len: dict[str, int] = Field(
-        default_factory=lambda: {"shift": 2, "rev": 2, "sort": 3, "add": 1,
-                                 "shift-long": 5, "rev-long": 5, "add-long": 4},
-        description="Shortest problem per domain (letters for shift and rev, digits for sort, digits of each operand "
-        "for add); an entry for a route (e.g. rev-long) overrides its domain's.",
+        default_factory=lambda: {"shift": 2, "rev": 2, "sort": 3, "count": 4,
+                                 "shift-long": 5, "rev-long": 5, "count-long": 5},
+        description="Shortest problem per domain (letters for shift, rev and count, digits for sort); an entry for a "
+        "route (e.g. rev-long) overrides its domain's.",
     )
     max_len: dict[str, int] = Field(
-        default_factory=lambda: {"shift": 6, "rev": 6, "sort": 10, "add": 3,
-                                 "shift-long": 6, "rev-long": 6, "add-long": 5},
+        default_factory=lambda: {"shift": 6, "rev": 6, "sort": 10, "count": 8,
+                                 "shift-long": 6, "rev-long": 6, "count-long": 6},
         description="Longest problem per domain; an entry for a route overrides its domain's.",
     )
     prompt_files: dict[str, str] = Field(
@@ -215,6 +215,21 @@ class OPDConfig(_Config):
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend when nproc > 1: auto = gloo (the pipeline's models run on CPU)."
     )
+    checkpoint_every: int = Field(
+        50, ge=0, le=1_000_000, description="Checkpoint the merge every N steps (at the next batch boundary) so that "
+        "the same command resumes it after a kill; 0 = never (see tasks/checkpoint.py)."
+    )
+    resume: bool = Field(
+        True, description="Resume this merge (same config, student, teachers and MLflow store) from its last "
+        "checkpoint, into the same MLflow run; false = start over in a new run."
+    )
+    pass_k: int = Field(4, ge=0, le=1024, description="pass@k logged per route at each evaluation (0 = off).")
+    pass_k_samples: int = Field(8, ge=1, le=4096, description="Samples per prompt behind pass@k (n >= k).")
+    pass_k_prompts: int = Field(32, ge=1, le=100_000, description="Held-out prompts per route sampled for pass@k.")
+    max_bad_steps: int = Field(
+        10, ge=0, le=1_000_000, description="Steps with a non-finite loss or gradient norm are skipped (no optimizer "
+        "or LR-schedule step) and counted (train/skipped_steps); one more than this stops the merge."
+    )
 
     @model_validator(mode="after")
     def _sharded(self) -> "OPDConfig":
@@ -251,6 +266,8 @@ class OPDConfig(_Config):
             raise ValueError(f"top_k_stop_grad applies to reverse_kl, but no route uses it (loss = {self.loss!r})")
         if self.top_k_stop_grad and not self.top_k:
             raise ValueError("top_k_stop_grad needs top_k > 0")
+        if self.pass_k > self.pass_k_samples:
+            raise ValueError(f"pass_k = {self.pass_k} needs at least that many samples: pass_k_samples = {self.pass_k_samples}")
         if (self.rollout_backend == "vllm" and self.overlap_generation
                 and self.sample_temperature != self.divergence_temperature):
             raise ValueError(
@@ -305,6 +322,11 @@ class SpecialistsConfig(_Config):
     )
     ray_address: str = Field("", description="runner ray: address of an existing Ray cluster; empty = start a local one.")
     name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names are PREFIX-ROUTE (e.g. spec-rev-high).")
+    retries: int = Field(
+        0, ge=0, le=20, description="Prefect retries of each specialist's training task after a transient failure "
+        "(OSError, MLflow unreachable); finished specialists are cached either way."
+    )
+    retry_delay_seconds: float = Field(10.0, ge=0, le=3600, description="Wait before each retry.")
 
 
 class MergeConfig(_Config):
@@ -320,6 +342,11 @@ class MergeConfig(_Config):
     label: str = Field(
         "", pattern=r"^[A-Za-z0-9_.+-]*$", description="Name of the merge variant in run names; empty = the loss."
     )
+    retries: int = Field(
+        0, ge=0, le=20, description="Prefect retries of the merge task after a transient failure (OSError, MLflow "
+        "unreachable); a retry resumes from the last checkpoint."
+    )
+    retry_delay_seconds: float = Field(10.0, ge=0, le=3600, description="Wait before each retry.")
 
     @model_validator(mode="after")
     def _route_settings(self):
@@ -339,6 +366,12 @@ class PipelineConfig(_Config):
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
     opd: OPDConfig = Field(default_factory=OPDConfig)
     experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
+    retries: int = Field(
+        0, ge=0, le=20, description="Prefect retries of each specialist's training task and of the merge task after "
+        "a transient failure (OSError, MLflow unreachable); finished specialists are cached, a retried merge "
+        "resumes from its last checkpoint."
+    )
+    retry_delay_seconds: float = Field(10.0, ge=0, le=3600, description="Wait before each retry.")
 
     @model_validator(mode="after")
     def _route_settings(self):
@@ -351,12 +384,14 @@ class PipelineConfig(_Config):
     def specialists(self, base_uri: str) -> SpecialistsConfig:
         return SpecialistsConfig(
             world=self.world, base_uri=base_uri, train=self.specialist_train,
-            min_accuracy=self.min_accuracy, workers=self.workers,
+            min_accuracy=self.min_accuracy, workers=self.workers, retries=self.retries,
+            retry_delay_seconds=self.retry_delay_seconds,
         )
 
     def merge(self, student_uri: str, teachers: list[str]) -> MergeConfig:
         return MergeConfig(
-            world=self.world, student_uri=student_uri, teachers=teachers, opd=self.opd, experiment=self.experiment
+            world=self.world, student_uri=student_uri, teachers=teachers, opd=self.opd, experiment=self.experiment,
+            retries=self.retries, retry_delay_seconds=self.retry_delay_seconds,
         )
 
 
@@ -366,8 +401,8 @@ QUICK_OVERRIDES: dict[str, Any] = {
         "routes": ["rev-low", "rev-high", "sort-low"],
         "train_size": 1500,
         "eval_size": 100,
-        "min_len": {"shift": 2, "rev": 2, "sort": 3, "add": 1},
-        "max_len": {"shift": 4, "rev": 4, "sort": 6, "add": 2},
+        "min_len": {"shift": 2, "rev": 2, "sort": 3, "count": 4},
+        "max_len": {"shift": 4, "rev": 4, "sort": 6, "count": 6},
     },
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
     "base_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},

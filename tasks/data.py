@@ -7,10 +7,11 @@ fine-tuning read it; the merge reads prompts alone).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 
 from tasks.config import WorldConfig
 from tasks.paths import world_dir
@@ -39,28 +40,106 @@ def _rows(route: Route, problems: list[str], template: str = DEFAULT_TEMPLATE) -
     }
 
 
+# A prompt-file row is too long when its prompt (default template), gold completion and EOS exceed this many tokens:
+# the positions of the models the project creates (tasks.models.create_model's max_positions).
+MAX_ROW_TOKENS = 128
+MAX_LISTED = 20  # bad rows listed per file; the rest are counted
+
+
 def load_prompt_file(path: str | Path, route: Route) -> list[str]:
-    """Problems from a user's JSONL/parquet file (column ``problem``), each checked against the route's domain."""
+    """Problems from a user's prompt file, checked row by row: JSON Lines (``.jsonl``/``.json``, one object per line,
+    blank lines skipped) or ``.parquet``, each row with a string field ``problem`` that is a valid problem of the
+    route's domain and whose prompt + gold completion + EOS fits :data:`MAX_ROW_TOKENS` tokens. The file must hold at
+    least two distinct problems (one to train on, one to evaluate). Raises :class:`tasks.preflight.InputError` listing
+    every bad row by line number (JSONL; row number for parquet), not only the first."""
+    from tasks.preflight import InputError, Problem
+
     path = Path(path)
+    file, field = str(path), f"world.prompt_files[{route.name}]"
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file for route {route.name} not found: {path}")
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
-    if kind is None:
-        raise ValueError(f"prompt file {path}: expected .jsonl or .parquet, got {path.suffix!r}")
-    ds = load_dataset(kind, data_files=str(path), split="train")
-    if "problem" not in ds.column_names:
-        raise ValueError(f"prompt file {path}: needs a 'problem' column, has {ds.column_names}")
+        raise InputError([Problem(file, field, "no such file; expected a .jsonl (one JSON object per line) or .parquet "
+                                  "file with a 'problem' field")])
+    if path.suffix in (".jsonl", ".json"):
+        rows, problems = _jsonl_rows(path, field)
+    elif path.suffix == ".parquet":
+        rows, problems = _parquet_rows(path, field)
+    else:
+        raise InputError([Problem(file, field, f"suffix {path.suffix!r}; expected .jsonl, .json (JSON Lines) or .parquet")])
+    problems = [Problem(file, where, message) for where, message in problems]
     dom = domain_of(route)
-    problems = [str(p) for p in ds["problem"]]
-    for i, p in enumerate(problems):
-        if not dom.problem_re.match(p):
-            raise ValueError(
-                f"prompt file {path}, row {i + 1}: problem {p!r} is not a valid {dom.name!r} problem "
-                f"(expected to match {dom.problem_re.pattern})"
-            )
-    if not problems:
-        raise ValueError(f"prompt file {path} has no rows")
-    return problems
+    valid: list[tuple[str, str]] = []
+    for where, value in rows:
+        if not isinstance(value, str):
+            problems.append(Problem(file, where, f"'problem' is {type(value).__name__} {_shown(value)}; expected a "
+                                    "string"))
+        elif not dom.problem_re.match(value):
+            problems.append(Problem(file, where, f"problem {_shown(value)} is not a valid {dom.name!r} problem "
+                                    f"(expected to match {dom.problem_re.pattern})"))
+        else:
+            valid.append((where, value))
+    texts = [format_prompt(route, p) + gold_completion(route, p) for _, p in valid]
+    ids = build_char_tokenizer()(texts, add_special_tokens=False)["input_ids"] if texts else []
+    for (where, p), row_ids in zip(valid, ids):
+        if len(row_ids) + 1 > MAX_ROW_TOKENS:
+            problems.append(Problem(file, where, f"problem {_shown(p)} makes a {len(row_ids) + 1}-token row (prompt, "
+                                    f"gold completion, EOS); expected at most {MAX_ROW_TOKENS} tokens"))
+    if not rows and not problems:
+        problems.append(Problem(file, field, "no rows; expected at least one JSON object with a 'problem' field"))
+    elif not problems and len(set(p for _, p in valid)) < 2:
+        problems.append(Problem(file, field, f"{len(set(p for _, p in valid))} distinct problem(s); expected at least "
+                                "2 (one to train on, one to evaluate)"))
+    if len(problems) > MAX_LISTED:
+        problems = problems[:MAX_LISTED] + [Problem(file, field, f"... and {len(problems) - MAX_LISTED} more bad rows")]
+    if problems:
+        raise InputError(problems, f"prompt file {file}")
+    return [p for _, p in valid]
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _jsonl_rows(path: Path, field: str) -> tuple[list[tuple[str, object]], list[tuple[str, str]]]:
+    """``("line N, row R", problem value)`` per JSON object with a ``problem``, ``(where, message)`` per other line."""
+    rows: list[tuple[str, object]] = []
+    problems: list[tuple[str, str]] = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return [], [(field, f"unreadable ({type(e).__name__}: {e}); expected UTF-8 JSON Lines")]
+    row = 0
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        row += 1
+        where = f"line {n}, row {row}"  # the row number counts non-blank lines
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append((where, f"malformed JSON ({e.msg} at column {e.colno}); expected one JSON object "
+                             "per line"))
+            continue
+        if not isinstance(doc, dict):
+            problems.append((where, f"a JSON {type(doc).__name__}; expected an object with a 'problem' field"))
+        elif "problem" not in doc:
+            problems.append((where, f"no 'problem' field (fields: {sorted(doc)}); expected a 'problem' field"))
+        else:
+            rows.append((where, doc["problem"]))
+    return rows, problems
+
+
+def _parquet_rows(path: Path, field: str) -> tuple[list[tuple[str, object]], list[tuple[str, str]]]:
+    """``("row R", problem value)`` per row of a parquet file with a ``problem`` column."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # not parquet, truncated, unreadable
+        return [], [(field, f"unreadable parquet ({type(e).__name__}: {e}); expected a parquet file")]
+    if "problem" not in table.column_names:
+        return [], [(field, f"columns {table.column_names} has no 'problem'; expected a 'problem' column")]
+    return [(f"row {i + 1}", v) for i, v in enumerate(table.column("problem").to_pylist())], []
 
 
 def route_splits(cfg: WorldConfig, route: Route) -> tuple[list[str], list[str]]:

@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.engines import ServedTeacher, VLLMRollout, rollout_with_logprobs, served_scores
-from tasks.losses import Objective, TokenInputs, chunked_objective
+from tasks.faults import fault
+from tasks.losses import DIAGNOSTICS, Objective, TokenInputs, chunked_objective
 from tasks.rollout import (
     Rollout,
     cap_responses,
@@ -60,7 +61,23 @@ class StepStats:
     sequences: dict[str, int] = field(default_factory=dict)  # per route: sequences in the batch
     truncated: dict[str, int] = field(default_factory=dict)  # per route: sequences without EOS
     reward_sum: dict[str, float] = field(default_factory=dict)  # per route: verifier outcomes summed
+    # per route, summed over response tokens (the losses module's DIAGNOSTICS, no gradient)
+    student_entropy: dict[str, float] = field(default_factory=dict)
+    teacher_entropy: dict[str, float] = field(default_factory=dict)
+    teacher_nll: dict[str, float] = field(default_factory=dict)
+    topk_overlap: dict[str, float] = field(default_factory=dict)
+    repetition: dict[str, float] = field(default_factory=dict)  # per route: summed per-sequence repeated-3-gram rate
+    length: dict[str, float] = field(default_factory=dict)  # per route: response tokens summed
     seconds: dict[str, float] = field(default_factory=dict)  # teacher / update
+    grad_norm: float = 0.0  # before clipping
+    skipped: bool = False  # non-finite loss or gradient norm: no optimizer step was taken
+
+
+def repetition_rate(ids: list[int], n: int = 3) -> float:
+    """Share of a response's n-grams that already occurred earlier in it: 0 for text that never repeats itself, near
+    1 for a loop (a student gaming its teacher with repetition shows here)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def verifier_rewards(tok: PreTrainedTokenizerBase, rollout: Rollout, routes: list[str], problems: list[str]) -> torch.Tensor:
@@ -101,6 +118,7 @@ def sample_batch(
         temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
         lp = token_logprobs(model, rollout, temps)
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
+    fault("generate")  # test-only (tasks/faults.py): a kill here loses a batch sampled but not yet learned from
     rewards_B = verifier_rewards(tok, rollout, routes, problems)
     return Batch(rollout, routes, problems, True, version, rewards_B, tokens, len(prompts))
 
@@ -249,6 +267,17 @@ class BatchProducer:
                 dst.copy_(src)
         self.sync_seconds = time.perf_counter() - t0
 
+    def drain(self) -> Batch | None:
+        """The batch generated ahead (with ``overlap``), waited for and kept pending: what a checkpoint must hold
+        so that a resumed merge learns from the same batches. None without overlap or before the first batch."""
+        return None if self.pending is None else self.pending.result()
+
+    def prime(self, batch: Batch | None) -> None:
+        """Make ``batch`` (a checkpoint's :meth:`drain`) the batch generated ahead."""
+        if batch is not None:
+            self.pending = Future()
+            self.pending.set_result(batch)
+
     def close(self) -> None:
         if self.executor is not None:
             if self.pending is not None:
@@ -271,6 +300,7 @@ def score_with_teachers(
     served: Mapping[str, ServedTeacher] | None = None,
     served_k: dict[str, int] | None = None,
     vocab_size: int = 0,
+    costs: dict[str, list[float]] | None = None,
 ) -> TeacherScores:
     """Final hidden states of each row's teacher on the student's exact sequence, one forward per teacher over its
     rows (``groups``: teacher -> row indices, as :meth:`teachers.router.Router.group` makes them):
@@ -279,18 +309,24 @@ def score_with_teachers(
 
     With ``served`` (teacher -> vLLM engine or endpoint) each teacher instead returns the prompt log-probs of its
     rows' sequences, top ``served_k[name]`` per position (-1: the whole vocabulary), packed with a
-    :class:`tasks.engines.ServedHead` in place of hidden states and head: one request batch per teacher."""
+    :class:`tasks.engines.ServedHead` in place of hidden states and head: one request batch per teacher.
+
+    ``costs`` (teacher -> [tokens scored, seconds], added to) accounts what each teacher cost, loading included."""
     out = {}
-    if served is not None:
-        for name, rows in groups.items():
+    for name, rows in groups.items():
+        t0 = time.perf_counter()
+        if served is not None:
             out[name] = served_scores(served[name], rows, rollout, served_k[name], vocab_size)
-        return out
-    with torch.no_grad():
-        for name, rows in groups.items():
+        else:
             idx = torch.tensor(rows)
             teacher = teachers[name]
-            hidden = forward_hidden(teacher, rollout.sequences_B_T[idx], rollout.attention_mask_B_T[idx])
+            with torch.no_grad():
+                hidden = forward_hidden(teacher, rollout.sequences_B_T[idx], rollout.attention_mask_B_T[idx])
             out[name] = (rows, hidden, teacher.get_output_embeddings())
+        if costs is not None:
+            cost = costs.setdefault(name, [0.0, 0.0])
+            cost[0] += float(rollout.attention_mask_B_T[torch.tensor(rows)].sum())
+            cost[1] += time.perf_counter() - t0
     return out
 
 
@@ -320,7 +356,8 @@ def update_step(
     """One optimizer step on ``batch``: rows are grouped by (teacher, route objective) and each group's objective is
     summed over its response tokens; the total is divided by the batch's response tokens. ``route_weights`` scale a
     route's tokens (default 1). A ``reward_weight`` adds the verifier outcome as a sequence advantage on on-policy
-    batches. Returns per-route statistics.
+    batches. Returns per-route statistics. A non-finite loss or gradient norm takes no step at all (``skipped``
+    in the statistics; the caller counts it).
 
     ``shard`` (one rank's contiguous rows of a sharded student, :mod:`tasks.sharded`): only those rows are learned
     from and ``teacher_hidden`` scores only them, while the normaliser and the reward baseline stay the whole batch's,
@@ -365,6 +402,7 @@ def update_step(
                 weight_B=torch.tensor([route_weights.get(routes[i], 1.0) for i in idx.tolist()]),
                 chunk_size=chunk_size,
                 normalizer=total_tokens,
+                targets_B_T=rollout.sequences_B_T[idx, 1:],
             )
             loss = loss + res.loss
             for k, row in enumerate(idx.tolist()):
@@ -372,20 +410,34 @@ def update_step(
                 stats.loss_sum[r] = stats.loss_sum.get(r, 0.0) + float(res.loss_sum_B[k])
                 stats.kl_sum[r] = stats.kl_sum.get(r, 0.0) + float(res.reverse_kl_sum_B[k])
                 stats.kl_tokens[r] = stats.kl_tokens.get(r, 0.0) + float(res.tokens_B[k])
+                for d, value in zip(DIAGNOSTICS, res.diagnostics_B_4[k].tolist()):
+                    getattr(stats, d)[r] = getattr(stats, d).get(r, 0.0) + value
     for row in range(mine.start, mine.stop):
         r = routes[row]
         stats.sequences[r] = stats.sequences.get(r, 0) + 1
         stats.truncated[r] = stats.truncated.get(r, 0) + int(rollout.truncated_B[row])
         stats.reward_sum[r] = stats.reward_sum.get(r, 0.0) + float(batch.rewards_B[row])
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite distillation loss {loss.item()}")
+        ids = rollout.sequences_B_T[row][rollout.response_mask_B_T[row].bool()].tolist()
+        stats.repetition[r] = stats.repetition.get(r, 0.0) + repetition_rate(ids)
+        stats.length[r] = stats.length.get(r, 0.0) + len(ids)
+    if fault("loss") == "nan":  # test-only (tasks/faults.py): a real NaN, through the backward pass
+        loss = loss * float("nan")
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+    loss.backward()  # also on a non-finite loss: with a sharded student the backward is collective
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: a DTensor
+    fault("update")
+    # A non-finite loss or gradient is skipped whole: no optimizer step (the weights and Adam moments stay finite) and
+    # no LR-schedule step; the caller counts it. The norm is global, so every rank of a sharded student agrees.
+    stats.skipped = not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)))
+    if stats.skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     student.eval()
+    stats.grad_norm = float(grad_norm)
     stats.loss = float(loss.detach())
     stats.seconds = {"update": time.perf_counter() - t0}
     return stats

@@ -101,7 +101,7 @@ class VLLMRollout:
         self.sync_seconds = 0.0
         self.syncs = 0
         self.version = 0  # student optimizer steps the engine's weights reflect
-        self._requests = 0
+        self.requests = 0
 
     def sync(self, model: PreTrainedModel, version: int) -> float:
         """Push ``model``'s weights into the engine in place. Every tensor is sent by name, ``lm_head.weight``
@@ -126,10 +126,10 @@ class VLLMRollout:
         params = []
         for cap in caps_B:
             # A per-request seed keeps sampling reproducible whatever else the engine has served.
-            self._requests += 1
+            self.requests += 1
             params.append(self.SamplingParams(
                 temperature=0.0 if greedy else temperature, top_k=0, top_p=1.0, max_tokens=int(cap), logprobs=0,
-                stop_token_ids=[eos], detokenize=False, seed=self.seed * 1_000_003 + self._requests))
+                stop_token_ids=[eos], detokenize=False, seed=self.seed * 1_000_003 + self.requests))
         outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outs]
         rollout = rollout_from_responses(self.tok, list(prompts), responses)

@@ -98,3 +98,35 @@ def compliance_gate(
 def retention(student_acc: float, teacher_acc: float) -> float:
     """Student score / specialist score on the same prompts and verifier (0 when the teacher scores 0)."""
     return student_acc / teacher_acc if teacher_acc > 0 else 0.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` are right: ``1 - C(n-c, k) / C(n, k)``
+    (Chen et al., 2021), computed as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def sampled_pass_at_k(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    route: str,
+    prompts: list[str],
+    problems: list[str],
+    max_new_tokens: int,
+    k: int,
+    n: int,
+    temperature: float = 1.0,
+) -> float:
+    """Mean pass@k over ``prompts`` from ``n`` samples each at ``temperature`` (route verifier): whether the right
+    answer is still within the student's reach when its greedy answer is wrong (diversity a collapse would lose)."""
+    r = Route.parse(route)
+    ro = generate(model, tok, [p for p in prompts for _ in range(n)], max_new_tokens, temperature=temperature)
+    right = [verify(r, q, t) for q, t in zip([q for q in problems for _ in range(n)], decode_responses(tok, ro))]
+    return sum(pass_at_k(n, sum(right[i * n:(i + 1) * n]), k) for i in range(len(prompts))) / len(prompts)

@@ -6,9 +6,24 @@ dill make to inspect code, which breaks datasets' fingerprinting and floods the 
 from __future__ import annotations
 
 import logging
+import re
+
+# ``scheme://user:password@`` (or ``scheme://token@``) and secret-named query parameters (``?token=...``).
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+_SECRET_QUERY = re.compile(
+    r"(?i)(?P<key>[?&](?:access_|auth_|api_|private_)?(?:token|key|apikey|api-key|password|passwd|secret|signature|sig)=)"
+    r"[^&#\s]+"
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with URL credentials and secret query values replaced by ``***``: what may be logged (Prefect logs,
+    MLflow params and tags) of a URI that might carry a token."""
+    return _SECRET_QUERY.sub(r"\g<key>***", _URL_CREDENTIALS.sub(r"\g<scheme>***@", text))
 
 
 def say(message: str) -> None:
+    message = redact(message)  # every Prefect log line of the project passes here
     if _in_run():
         from prefect.logging import get_run_logger
 
@@ -49,4 +64,6 @@ def link(url: str, text: str, key: str, description: str = "") -> None:
     if _in_run():
         from prefect.artifacts import create_link_artifact
 
-        create_link_artifact(url, link_text=text, key=key, description=description or None)
+        # A link keeps no credentials at all (the browser asks for them); the text is redacted like a log line.
+        create_link_artifact(_URL_CREDENTIALS.sub(r"\g<scheme>", url), link_text=redact(text), key=key,
+                             description=redact(description) if description else None)

@@ -215,16 +215,61 @@ def sampled_token_advantage(logp_N: torch.Tensor, logq_old_N: torch.Tensor) -> t
     return (logp_N - logq_old_N).detach()
 
 
+class ExtrapolatedHead(torch.nn.Module):
+    """Reward extrapolation (generalized OPD, ExOPD, arXiv 2602.12125) as a teacher head. OPD is KL-regularised RL
+    with the dense reward ``log p_T(x) - log p_ref(x)``; scaling that reward by ``scale`` makes the optimal policy
+
+        pi*(x) ∝ p_ref(x) * (p_T(x) / p_ref(x)) ** scale,   i.e. logits  scale * log p_T + (1 - scale) * log p_ref
+
+    so every objective of the menu (full, top-k or sampled-token) targets ``pi*`` when this head replaces the
+    teacher's. ``scale = 1`` is the teacher itself; ``scale > 1`` pushes past it, away from the reference.
+
+    Input: the teacher's and the reference's hidden states concatenated on the last axis ``[..., Ht + Hr]``."""
+
+    def __init__(self, teacher_head: Head, reference_head: Head, teacher_width: int, scale: float):
+        super().__init__()
+        self.teacher_head, self.reference_head = teacher_head, reference_head
+        self.teacher_width, self.scale = teacher_width, scale
+
+    def forward(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
+        logp_t = F.log_softmax(self.teacher_head(hidden_N_H[..., : self.teacher_width]).float(), dim=-1)
+        logp_r = F.log_softmax(self.reference_head(hidden_N_H[..., self.teacher_width:]).float(), dim=-1)
+        return self.scale * logp_t + (1.0 - self.scale) * logp_r
+
+
+# Diagnostics summed per sequence by :func:`chunked_objective` (all at the divergence temperature, no gradient).
+DIAGNOSTICS: tuple[str, ...] = ("student_entropy", "teacher_entropy", "teacher_nll", "topk_overlap")
+DIAG_TOP_K = 8
+
+
+def token_diagnostics(logq_N_V: torch.Tensor, logp_N_V: torch.Tensor, targets_N: torch.Tensor | None) -> torch.Tensor:
+    """Per-position health signals ``[N, 4]`` (see :data:`DIAGNOSTICS`): the student's and the teacher's entropies
+    ``-sum q log q`` and ``-sum p log p`` (their gap shows a student collapsing or staying too diffuse), the
+    teacher's NLL ``-log p(x)`` of the token the sequence actually has (a teacher out of its depth on the student's
+    states shows here; 0 when no targets are given), and the overlap ``|top_k(q) & top_k(p)| / k`` of the two top-8
+    sets."""
+    with torch.no_grad():
+        h_q_N = -(logq_N_V.exp() * logq_N_V).sum(-1)
+        h_p_N = -(logp_N_V.exp() * logp_N_V).sum(-1)
+        nll_N = torch.zeros_like(h_q_N) if targets_N is None else -logp_N_V.gather(-1, targets_N[:, None]).squeeze(-1)
+        k = min(DIAG_TOP_K, logq_N_V.shape[-1])
+        top_q_N_K = logq_N_V.topk(k, dim=-1).indices
+        top_p_N_K = logp_N_V.topk(k, dim=-1).indices
+        overlap_N = (top_q_N_K[:, :, None] == top_p_N_K[:, None, :]).any(-1).float().mean(-1)
+        return torch.stack([h_q_N, h_p_N, nll_N, overlap_N], dim=-1)
+
+
 @dataclass
 class ObjectiveResult:
     """``loss`` is the weighted sum over masked tokens / normalizer; the ``*_B`` sums are per sequence (detached):
     the objective's own per-token values and, as a diagnostic every objective logs, the full-vocabulary reverse KL at
-    the divergence temperature."""
+    the divergence temperature; ``diagnostics_B_4`` sums :func:`token_diagnostics` over each sequence's tokens."""
 
     loss: torch.Tensor
     loss_sum_B: torch.Tensor
     reverse_kl_sum_B: torch.Tensor
     tokens_B: torch.Tensor
+    diagnostics_B_4: torch.Tensor | None = None
 
 
 @dataclass
@@ -250,6 +295,7 @@ def chunked_objective(
     weight_B: torch.Tensor | None = None,
     chunk_size: int = 64,
     normalizer: float | None = None,
+    targets_B_T: torch.Tensor | None = None,
 ) -> ObjectiveResult:
     """The objective summed over masked positions, computed chunk by chunk along T:
 
@@ -259,7 +305,8 @@ def chunked_objective(
     policy-gradient loss with advantage ``a[b,t] = sg(log p - log q_old) + seq_adv[b]`` for ``sampled_token``. A
     full-distribution loss with ``seq_adv_B`` (the verifier reward, GKD+RL) adds the policy-gradient term with
     advantage ``seq_adv[b]``. ``normalizer`` defaults to the number of masked positions; ``weight_B`` (per-route
-    weights) to 1.
+    weights) to 1. ``targets_B_T`` (the token each position predicts; else ``tokens.targets_B_T`` if given) feeds
+    the teacher-NLL diagnostic.
 
     Shapes: hidden states ``[B, T, H]`` (the teacher's width may differ), heads map ``[..., H] -> [..., V]``,
     ``mask_B_T`` 0/1. Each chunk's logits are recomputed in the backward pass (activation checkpointing), so neither
@@ -281,13 +328,18 @@ def chunked_objective(
     weight_B = mask_B_T.new_ones(B) if weight_B is None else weight_B.to(mask_B_T)
     seq_adv_B = mask_B_T.new_zeros(B) if seq_adv_B is None else seq_adv_B.to(mask_B_T)
 
-    def chunk(hs_B_C_H, ht_B_C_H, m_B_C, *tok_B_C):
+    targets_B_T = tokens.targets_B_T if targets_B_T is None and tokens is not None else targets_B_T
+
+    def chunk(hs_B_C_H, ht_B_C_H, m_B_C, tgt_B_C, *tok_B_C):
         with torch.no_grad():
             zt_B_C_V = teacher_head(ht_B_C_H).float()
         zs_B_C_V = student_head(hs_B_C_H).float()
         logq_B_C_V = F.log_softmax(zs_B_C_V / obj.temperature, dim=-1)
         logp_B_C_V = F.log_softmax(zt_B_C_V / obj.temperature, dim=-1)
         rkl_B_C = kl(logq_B_C_V.detach(), logp_B_C_V)
+        diag_N_4 = token_diagnostics(logq_B_C_V.detach().flatten(0, 1), logp_B_C_V.flatten(0, 1),
+                                     None if tgt_B_C is None else tgt_B_C.flatten())
+        diag_B_4 = (diag_N_4.view(*m_B_C.shape, -1) * m_B_C[..., None]).sum(1)
         if obj.policy_gradient:
             per_tok_B_C = torch.zeros_like(m_B_C)
         else:
@@ -305,24 +357,27 @@ def chunked_objective(
             per_tok_B_C = per_tok_B_C + policy_gradient_loss(
                 logq_x_B_C, logq_beh_B_C, adv_B_C, obj.correction, obj.clip_eps, obj.ratio_cap
             )
-        return (per_tok_B_C * m_B_C).sum(-1), (rkl_B_C * m_B_C).sum(-1)
+        return (per_tok_B_C * m_B_C).sum(-1), (rkl_B_C * m_B_C).sum(-1), diag_B_4
 
     loss_sum_B = mask_B_T.new_zeros(B)
     rkl_sum_B = mask_B_T.new_zeros(B)
+    diag_sum_B_4 = mask_B_T.new_zeros(B, len(DIAGNOSTICS))
     for start in range(0, T, chunk_size):
         sl = slice(start, min(start + chunk_size, T))
         m_B_C = mask_B_T[:, sl]
         if not bool(m_B_C.any()):
             continue
-        args = [student_hidden_B_T_H[:, sl], teacher_hidden_B_T_Ht[:, sl].detach(), m_B_C]
+        args = [student_hidden_B_T_H[:, sl], teacher_hidden_B_T_Ht[:, sl].detach(), m_B_C,
+                None if targets_B_T is None else targets_B_T[:, sl]]
         if needs_tokens:
             args += [tokens.targets_B_T[:, sl], tokens.logq_behaviour_B_T[:, sl], tokens.logq_old_B_T[:, sl]]
         if torch.is_grad_enabled() and student_hidden_B_T_H.requires_grad:
-            l_B, r_B = checkpoint(chunk, *args, use_reentrant=False)
+            l_B, r_B, d_B_4 = checkpoint(chunk, *args, use_reentrant=False)
         else:
-            l_B, r_B = chunk(*args)
+            l_B, r_B, d_B_4 = chunk(*args)
         loss_sum_B = loss_sum_B + l_B
         rkl_sum_B = rkl_sum_B + r_B.detach()
+        diag_sum_B_4 = diag_sum_B_4 + d_B_4.detach()
     tokens_B = mask_B_T.sum(-1)
     denom = float(normalizer) if normalizer is not None else max(float(tokens_B.sum()), 1.0)
     return ObjectiveResult(
@@ -330,4 +385,5 @@ def chunked_objective(
         loss_sum_B=loss_sum_B.detach(),
         reverse_kl_sum_B=rkl_sum_B,
         tokens_B=tokens_B,
+        diagnostics_B_4=diag_sum_B_4,
     )

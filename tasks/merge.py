@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import json
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
+from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from requests.exceptions import RequestException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from tqdm.auto import tqdm
 
 from tasks.log import Progress, say
+from tasks.checkpoint import MergeCheckpoints, batch_from_state, batch_state
 from tasks.config import MergeConfig
 from tasks.data import eval_sets, load_prompts, max_new_tokens_for, rows_by_route
 from tasks.engines import (
@@ -24,9 +34,17 @@ from tasks.engines import (
     served_logprobs_k,
 )
 from tasks.distill import BatchProducer, OffPolicyData, PromptSampler, StepStats, score_with_teachers, update_step
-from tasks.evaluate import GateResult, RouteScore, compliance_gate, evaluate_route, evaluate_routes, retention
-from tasks.losses import Objective
-from tasks.models import load_model, save_model
+from tasks.evaluate import (
+    GateResult,
+    RouteScore,
+    compliance_gate,
+    evaluate_route,
+    evaluate_routes,
+    retention,
+    sampled_pass_at_k,
+)
+from tasks.losses import DIAGNOSTICS, Objective
+from tasks.models import checkpoint_fingerprint, load_model, save_model
 from tasks.paths import models_dir
 from tasks.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -38,9 +56,13 @@ from tasks.tracking import (
     end_run,
     log_metrics,
     log_retention,
+    logged_metrics,
     promote_if_best,
     register_version,
+    registered_version,
+    reopen_run,
     start_run,
+    tracking_uri,
 )
 from teachers.registry import TeacherRecord, registry_fingerprint
 from teachers.router import Router
@@ -75,6 +97,26 @@ class GateBlocked(RuntimeError):
     """The student's own samples are not yet well-formed enough for on-policy distillation to teach anything."""
 
 
+class TrackingUnavailable(RuntimeError):
+    """MLflow did not take a step's metrics (after MLflow's own HTTP retries, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
+    ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``): the merge stops there rather than go on
+    without its metrics; its last checkpoint holds everything to resume once MLflow is back."""
+
+
+class TooManyBadSteps(FloatingPointError):
+    """More than ``opd.max_bad_steps`` steps had a non-finite loss or gradient norm."""
+
+
+# What a Prefect retry of the merge task may cure (a retry resumes from the last checkpoint): I/O and MLflow outages,
+# not a config the gate rejects or a run that keeps producing NaN.
+TRANSIENT = (OSError, TimeoutError, TrackingUnavailable)
+
+
+def is_transient(task, task_run, state) -> bool:
+    """Prefect ``retry_condition_fn``: retry only failures in :data:`TRANSIENT`."""
+    return isinstance(state.result(raise_on_failure=False), TRANSIENT)
+
+
 @dataclass
 class _Window:
     """Per-route sums between two evaluations."""
@@ -82,8 +124,9 @@ class _Window:
     sums: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, st: StepStats, on_policy: bool) -> None:
+        keys = ("div", "kl", "tok", "seq", "trunc", "rew", "rew_seq", "own_tok", *DIAGNOSTICS, "repetition", "length")
         for r in st.sequences:
-            w = self.sums.setdefault(r, dict.fromkeys(("div", "kl", "tok", "seq", "trunc", "rew", "rew_seq"), 0.0))
+            w = self.sums.setdefault(r, dict.fromkeys(keys, 0.0))
             w["div"] += st.loss_sum.get(r, 0.0)
             w["kl"] += st.kl_sum.get(r, 0.0)
             w["tok"] += st.kl_tokens.get(r, 0.0)
@@ -92,6 +135,10 @@ class _Window:
             if on_policy:  # the verifier metric that does not come from the teacher: the student's own samples
                 w["rew"] += st.reward_sum[r]
                 w["rew_seq"] += st.sequences[r]
+                # Health of the student's own samples: entropies, teacher NLL, overlap, repetition, length.
+                w["own_tok"] += st.kl_tokens.get(r, 0.0)
+                for d in (*DIAGNOSTICS, "repetition", "length"):
+                    w[d] += getattr(st, d).get(r, 0.0)
 
     def metrics(self) -> dict[str, float]:
         m: dict[str, float] = {}
@@ -101,6 +148,14 @@ class _Window:
             m[f"truncated/{r}"] = w["trunc"] / max(w["seq"], 1.0)
             if w["rew_seq"]:
                 m[f"sample_accuracy/{r}"] = w["rew"] / w["rew_seq"]
+                tok = max(w["own_tok"], 1.0)
+                m[f"entropy/student/{r}"] = w["student_entropy"] / tok
+                m[f"entropy/teacher/{r}"] = w["teacher_entropy"] / tok
+                m[f"entropy_gap/{r}"] = (w["student_entropy"] - w["teacher_entropy"]) / tok
+                m[f"teacher_nll/{r}"] = w["teacher_nll"] / tok
+                m[f"topk_overlap/{r}"] = w["topk_overlap"] / tok
+                m[f"repetition/{r}"] = w["repetition"] / w["rew_seq"]
+                m[f"rollout_length/{r}"] = w["length"] / w["rew_seq"]
         for key in ("divergence", "reverse_kl"):
             vals = [m[f"{key}/{r}"] for r in self.sums]
             if vals:
@@ -114,15 +169,26 @@ class MergeLoop:
     x-axis across the cold start and the on-policy stage) and the student version (optimizer steps taken).
 
     With ``opd.nproc > 1`` each rank of the process group holds one (every rank runs the same calls on a sharded
-    student, :mod:`tasks.sharded`) and only rank 0, the ``lead``, logs."""
+    student, :mod:`tasks.sharded`) and only rank 0, the ``lead``, logs.
 
-    def __init__(self, cfg: MergeConfig, world_path: str, router: Router, run_id: str):
+    With ``checkpoints`` the loop writes a checkpoint every ``opd.checkpoint_every`` steps and starts from the newest
+    one there: the stages and gates that finished before it are skipped (the gates' recorded results replayed), the
+    stage it was taken in continues from its step with the optimizer, schedule, RNG and sampler states it had, and
+    metrics MLflow already holds from a killed attempt are not logged twice."""
+
+    def __init__(self, cfg: MergeConfig, world_path: str, router: Router, run_id: str,
+                 checkpoints: MergeCheckpoints | None = None):
         opd = self.opd = cfg.opd
         torch.manual_seed(opd.seed)
         self.run_id, self.router, self.routes = run_id, router, cfg.world.routes
         self.tok = load_tokenizer(cfg.student_uri)
         student_fp = tokenizer_fingerprint(self.tok)
         self.student = load_model(cfg.student_uri).eval()
+        self.checkpoints = checkpoints
+        latest = checkpoints.latest() if checkpoints is not None else None
+        self.resumed = checkpoints.load(latest) if latest is not None else None
+        if self.resumed is not None:  # before sharding: every rank loads the full weights, then keeps its shard
+            self.student.load_state_dict(self.resumed.weights)
         self.lead = rank() == 0
         if opd.nproc > 1:
             shard_student(self.student)
@@ -143,10 +209,21 @@ class MergeLoop:
         self.engine, self.served = self._vllm_engines(cfg, records, gold)
         self.version = 0
         self.window = _Window()
+        self.teacher_costs: dict[str, list[float]] = {}  # teacher -> [tokens scored, seconds], over the whole merge
         self.teacher_acc: dict[str, float] = {}
         self.scores: dict[str, RouteScore] = {}
         self.planned = opd.cold_start_steps + opd.steps
         self.progress = Progress("merge-progress", f"merge {run_id}: optimizer steps done")
+        self.base_scores: dict[str, RouteScore] = {}
+        self.stage_no = 0  # stages begun (cold-start rounds and the on-policy stage, in order)
+        self.gates: list[GateResult] = []
+        self.gate_calls = 0
+        self.bad_steps = 0  # steps skipped for a non-finite loss or gradient
+        self.last_checkpoint, self.resume_at = 0, None
+        if self.resumed is not None:
+            self._restore(self.resumed.state)
+        # (key, step) -> value MLflow already holds from an attempt killed after this point: not logged again.
+        self.logged = logged_metrics(run_id, self.step) if checkpoints is not None and self.lead else {}
 
     def _vllm_engines(self, cfg: MergeConfig, records: dict[str, TeacherRecord], gold: dict[str, str]):
         """The student's vLLM rollout engine and the served teachers (each loaded on first use, at most
@@ -184,21 +261,43 @@ class MergeLoop:
         return evaluate_routes(model, self.tok, self.eval_sets, self.caps)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.lead:
+        """Log on the lead; a value MLflow already holds for this key and step (from a killed attempt) is skipped.
+        Raises :class:`TrackingUnavailable` when MLflow does not take them."""
+        if not self.lead:
+            return
+        metrics = {k: v for k, v in metrics.items() if self.logged.get((k, step)) != float(v)}
+        if not metrics:
+            return
+        try:
             log_metrics(self.run_id, metrics, step)
+        except (MlflowException, RequestException, OSError) as e:
+            raise TrackingUnavailable(
+                f"MLflow at {tracking_uri()} did not take the metrics of step {step} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}). The merge stopped there; {self.describe_checkpoint()}: "
+                "run the same command again once MLflow is reachable to resume into the same run"
+            ) from e
+
+    def describe_checkpoint(self) -> str:
+        if self.checkpoints is None:
+            return "it has no checkpoints"
+        latest = self.checkpoints.latest()
+        return (f"its last checkpoint (step {self.last_checkpoint}, {latest}) is intact" if latest is not None
+                else f"it had no checkpoint yet ({self.checkpoints.root})")
 
     def say(self, message: str) -> None:
         if self.lead:
             say(message)
 
     def baseline(self) -> dict[str, RouteScore]:
+        if self.base_scores:  # resumed: measured and logged before the checkpoint
+            return self.base_scores
         n_eval = sum(len(v[0]) for v in self.eval_sets.values())
         self.say(f"evaluating {len(self.teachers)} teachers and the initial student on {n_eval} held-out prompts")
         self.teacher_acc = {
             r: evaluate_route(self.teachers[self.teacher_of[r]], self.tok, r, *self.eval_sets[r], self.caps[r]).accuracy
             for r in self.routes
         }
-        base = self.scores = self.evaluate(self.student)
+        base = self.scores = self.base_scores = self.evaluate(self.student)
         self.log({**{f"teacher_accuracy/{r}": a for r, a in self.teacher_acc.items()},
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
                   **route_metrics(base, self.teacher_acc)}, 0)
@@ -206,8 +305,12 @@ class MergeLoop:
 
     def stage(self, name: str, steps: int, lr: float, lmbda: float, objectives: dict[str, Objective]) -> None:
         """``steps`` optimizer steps with their own warmup + cosine schedule; each batch is on-policy with
-        probability ``lmbda``; each batch serves ``updates_per_batch`` steps."""
+        probability ``lmbda``; each batch serves ``updates_per_batch`` steps. A step with a non-finite loss or gradient
+        is skipped and counted; more than ``opd.max_bad_steps`` of them stop the merge (:class:`TooManyBadSteps`)."""
         opd = self.opd
+        no, self.stage_no = self.stage_no, self.stage_no + 1
+        if self.resume_at is not None and no < self.resume_at[0]:
+            return  # finished before the checkpoint this merge resumed from
         optimizer, scheduler = make_optimizer(self.student, lr, 0.0, min(opd.warmup_steps, steps // 2), steps)
         needs_logprobs = lmbda > 0 and (opd.reward_weight > 0 or any(o.policy_gradient for o in objectives.values()))
         producer = BatchProducer(self.student, self.tok, self.sampler, self.offpolicy, self.caps, opd.batch_size,
@@ -216,10 +319,15 @@ class MergeLoop:
         served_k = {name: served_logprobs_k([objectives[r] for r in self.routes if self.teacher_of[r] == name])
                     for name in self.teachers}
         stage_id = {"cold_start": 1, "on_policy": 2}[name]
-        bar = tqdm(range(steps), desc=f"merge {name}", mininterval=2.0, disable=not self.lead)
+        start = 0
+        if self.resume_at is not None:  # the stage the checkpoint was taken in
+            start, self.resume_at = self.resume_at[1], None
+            self._restore_trainer(optimizer, scheduler, producer)
+        bar = tqdm(range(start, steps), desc=f"merge {name}", mininterval=2.0, disable=not self.lead, initial=start,
+                   total=steps)
         batch, hidden, uses, rows = None, {}, opd.updates_per_batch, None
         try:
-            for _ in bar:
+            for i in bar:
                 t0 = time.perf_counter()
                 if uses == opd.updates_per_batch:
                     batch = producer.next(lmbda, self.version)
@@ -229,7 +337,7 @@ class MergeLoop:
                         rows = rows_of(len(batch.routes))
                         groups = shard_groups(groups, rows)
                     hidden = score_with_teachers(self.teachers, self.teachers.resident_first(groups), batch.rollout,
-                                                 self.served, served_k, len(self.tok))
+                                                 self.served, served_k, len(self.tok), self.teacher_costs)
                     uses = 0
                     t_teacher = time.perf_counter() - t0 - t_batch
                 else:
@@ -240,10 +348,15 @@ class MergeLoop:
                 if rows is not None:
                     st = sum_stats(st, self.routes)
                 uses += 1
-                self.version += 1
                 self.step += 1
-                self.window.add(st, batch.on_policy)
-                m = {"train/loss": st.loss, "stage": stage_id, "rollout/on_policy": float(batch.on_policy),
+                if st.skipped:
+                    self.bad_steps += 1
+                else:
+                    self.version += 1
+                    self.window.add(st, batch.on_policy)
+                m = {"train/loss": st.loss, "train/grad_norm": st.grad_norm,
+                     "train/skipped_steps": float(self.bad_steps), "stage": stage_id,
+                     "rollout/on_policy": float(batch.on_policy),
                      "rollout/staleness": float(staleness), "time/update": st.seconds["update"],
                      "teachers/loads": float(self.teachers.loads), "teachers/evictions": float(self.teachers.evictions),
                      "teachers/resident": float(len(self.teachers.resident))}
@@ -255,24 +368,130 @@ class MergeLoop:
                         m["time/sync"] = producer.sync_seconds
                 if self.step % opd.eval_every == 0:
                     m.update(self._eval_metrics())
-                self.log(m, self.step)
+                self.log({k: v for k, v in m.items() if v == v and abs(v) != float("inf")}, self.step)
                 bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
+                if self.bad_steps > opd.max_bad_steps:
+                    raise TooManyBadSteps(
+                        f"{self.bad_steps} steps had a non-finite loss or gradient norm, more than opd.max_bad_steps "
+                        f"= {opd.max_bad_steps} (the last at step {self.step}, loss {st.loss}, gradient norm "
+                        f"{st.grad_norm}). The merge stopped; skipped steps never touch the weights, so "
+                        f"{self.describe_checkpoint()}: lower opd.lr or opd.grad_clip, or raise opd.max_bad_steps, "
+                        "then run the same command again to resume"
+                    )
+                # Checkpoints only where nothing is half done: at a batch boundary (rollout reuse) or a stage's end.
+                if (self.checkpoints is not None and opd.checkpoint_every
+                        and self.step - self.last_checkpoint >= opd.checkpoint_every
+                        and (uses == opd.updates_per_batch or i + 1 == steps)):
+                    self._checkpoint(no, i + 1, optimizer, scheduler, producer)
         finally:
             producer.close()
 
+    def _checkpoint(self, stage_no: int, stage_step: int, optimizer, scheduler, producer: BatchProducer) -> None:
+        """Write a checkpoint of this step (collective with a sharded student: the lead gathers and writes)."""
+        t0 = time.perf_counter()
+        if self.opd.nproc > 1:
+            weights = full_state_dict(self.student)
+            optim = get_optimizer_state_dict(self.student, optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            weights, optim = self.student.state_dict(), optimizer.state_dict()
+        pending = producer.drain()  # with overlap: the batch generated ahead, which the next step learns from
+        self.last_checkpoint = self.step
+        if not self.lead:
+            return
+        bad = [k for k, v in weights.items() if not bool(torch.isfinite(v).all())]
+        if bad:
+            raise FloatingPointError(f"student weights {bad[:3]} are not finite at step {self.step}: not checkpointed; "
+                                     f"{self.describe_checkpoint()}")
+        trainer = {"optimizer": optim, "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                   "pending": batch_state(pending)}
+        state = {
+            "run_id": self.run_id, "step": self.step, "version": self.version, "stage_no": stage_no,
+            "stage_step": stage_step, "bad_steps": self.bad_steps, "gates": [asdict(g) for g in self.gates],
+            "window": self.window.sums, "teacher_acc": self.teacher_acc, "teacher_costs": self.teacher_costs,
+            # the vLLM engine seeds request i with (seed, i): the count makes a resumed run sample the same
+            "engine_requests": self.engine.requests if self.engine is not None else 0,
+            "base_scores": {r: asdict(s) for r, s in self.base_scores.items()},
+            "scores": {r: asdict(s) for r, s in self.scores.items()},
+            "sampler_rng": self.sampler.rng.getstate(), "python_rng": random.getstate(),
+            "teachers": {"resident": list(self.teachers.resident), "loads": self.teachers.loads,
+                         "evictions": self.teachers.evictions},
+            "offpolicy": self.offpolicy.cache,
+        }
+        path = self.checkpoints.save(weights, trainer, state)
+        self.say(f"checkpoint at step {self.step} in {time.perf_counter() - t0:.2f}s: {path}")
+
+    def _restore(self, st: dict) -> None:
+        """Everything but the optimizer, schedule and torch RNG (:meth:`_restore_trainer`) from a checkpoint."""
+        if st["run_id"] != self.run_id:
+            raise ValueError(f"checkpoint {self.resumed.path} belongs to MLflow run {st['run_id']}, not {self.run_id}")
+        self.step, self.version, self.bad_steps = st["step"], st["version"], st["bad_steps"]
+        self.last_checkpoint, self.resume_at = st["step"], (st["stage_no"], st["stage_step"])
+        self.gates = [GateResult(**g) for g in st["gates"]]
+        self.window.sums = st["window"]
+        self.teacher_costs = st.get("teacher_costs", {})
+        if self.engine is not None:
+            self.engine.requests = st.get("engine_requests", 0)
+        self.teacher_acc = st["teacher_acc"]
+        self.base_scores = {r: RouteScore(**s) for r, s in st["base_scores"].items()}
+        self.scores = {r: RouteScore(**s) for r, s in st["scores"].items()}
+        self.offpolicy.cache = st["offpolicy"]
+        for name in st["teachers"]["resident"]:  # the same residents in the same least-recently-used order
+            self.teachers[name]
+        self.teachers.loads, self.teachers.evictions = st["teachers"]["loads"], st["teachers"]["evictions"]
+        self.sampler.rng.setstate(_rng_state(st["sampler_rng"]))
+        self.say(f"resuming from the checkpoint at step {self.step} ({self.resumed.path})")
+
+    def _restore_trainer(self, optimizer, scheduler, producer: BatchProducer) -> None:
+        """The rest of the checkpoint, as the stage it was taken in starts again: last, so that nothing between
+        loading and training consumes the restored RNG states."""
+        trainer = self.resumed.trainer
+        if self.opd.nproc > 1:
+            set_optimizer_state_dict(self.student, optimizer, trainer["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(trainer["optimizer"])
+        scheduler.load_state_dict(trainer["scheduler"])
+        producer.prime(batch_from_state(trainer["pending"]))
+        torch.set_rng_state(trainer["torch_rng"])
+        random.setstate(_rng_state(self.resumed.state["python_rng"]))
+        self.resumed = None
+
     def _eval_metrics(self) -> dict[str, float]:
         self.scores = self.evaluate(self.student)
-        m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc)}
+        m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc), **self._pass_at_k(),
+             **{f"teacher_cost/{key}/{name}": v for name, (tokens, seconds) in self.teacher_costs.items()
+                for key, v in (("tokens", tokens), ("seconds", seconds))}}
         self.say(f"step {self.step}: mean retention {m['retention/mean']:.3f}, "
                  + ", ".join(f"{r} {m[f'retention/{r}']:.2f}" for r in self.routes))
         self.progress.update(100.0 * self.step / max(self.planned, self.step),
                              f"step {self.step}/{self.planned}: mean retention {m['retention/mean']:.3f}")
         return m
 
+    def _pass_at_k(self) -> dict[str, float]:
+        """``pass@k/<route>`` on the first ``pass_k_prompts`` held-out prompts, ``pass_k_samples`` samples each at
+        the sampling temperature. Drawn from its own seeded RNG so that measuring it never changes training."""
+        opd = self.opd
+        if not opd.pass_k:
+            return {}
+        out = {}
+        with torch.random.fork_rng():
+            torch.manual_seed(opd.seed * 1_000_003 + self.step)
+            for r in self.routes:
+                prompts, problems = (x[: opd.pass_k_prompts] for x in self.eval_sets[r])
+                out[f"pass@{opd.pass_k}/{r}"] = sampled_pass_at_k(
+                    self.student, self.tok, r, prompts, problems, self.caps[r], opd.pass_k, opd.pass_k_samples,
+                    opd.sample_temperature)
+        return out
+
     def gate(self) -> GateResult:
+        self.gate_calls += 1
+        if self.gate_calls <= len(self.gates):  # resumed: this gate ran (and was logged) before the checkpoint
+            return self.gates[self.gate_calls - 1]
         prompts = {r: self.eval_sets[r][0][: self.opd.gate_samples] for r in self.routes}
         res = compliance_gate(self.student, self.tok, prompts, self.caps, self.opd.gate_threshold,
                               self.opd.sample_temperature)
+        self.gates.append(res)
         self.log({"gate/passed": float(res.passed),
                   **{f"gate/eos_rate/{r}": v for r, v in res.eos_rate.items()},
                   **{f"gate/format_rate/{r}": v for r, v in res.format_rate.items()}}, self.step)
@@ -285,8 +504,14 @@ class MergeLoop:
             self.log(self._eval_metrics(), self.step)
 
 
-@task(name="distill", cache_policy=NO_CACHE)
-def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) -> dict:
+def _rng_state(state: list) -> tuple:
+    """A ``random.Random`` state back from JSON (lists where it had tuples)."""
+    return state[0], tuple(state[1]), state[2]
+
+
+@task(name="distill", cache_policy=NO_CACHE, retry_condition_fn=is_transient)
+def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str,
+              checkpoint_dir: str | None = None) -> dict:
     """Merge the routed teachers into ``cfg.student_uri``: an optional off-policy cold start (supervised KD on
     teacher samples or gold completions), the compliance gate, then on-policy distillation with each route's
     objective; per-route metrics go to MLflow run ``run_id``.
@@ -295,16 +520,22 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str) ->
 
     With ``opd.nproc`` > 1 the student update runs on that many processes, this one being rank 0 (FSDP over
     ``opd.dist_backend``, :mod:`tasks.sharded`).
+
+    With ``checkpoint_dir`` (a :class:`tasks.checkpoint.MergeCheckpoints` folder, see :func:`open_merge_run`) the
+    merge checkpoints itself there and resumes from the newest checkpoint it finds; it is marked finished at the end.
     """
     if cfg.opd.nproc > 1:
-        return run_ranks(merge_rank, cfg.opd.nproc, cfg.opd.dist_backend, cfg, world_path, router, run_id)
-    return merge_rank(cfg, world_path, router, run_id)
+        return run_ranks(merge_rank, cfg.opd.nproc, cfg.opd.dist_backend, cfg, world_path, router, run_id,
+                         checkpoint_dir)
+    return merge_rank(cfg, world_path, router, run_id, checkpoint_dir)
 
 
-def merge_rank(cfg: MergeConfig, world_path: str, router: Router, run_id: str) -> dict:
+def merge_rank(cfg: MergeConfig, world_path: str, router: Router, run_id: str,
+               checkpoint_dir: str | None = None) -> dict:
     """The body of :func:`run_merge` on one rank; rank 0 saves, registers and returns the references."""
     opd = cfg.opd
-    loop = MergeLoop(cfg, world_path, router, run_id)
+    checkpoints = MergeCheckpoints(checkpoint_dir) if checkpoint_dir else None
+    loop = MergeLoop(cfg, world_path, router, run_id, checkpoints)
     base_scores = loop.baseline()
     routes = loop.routes
     cold_start = {r: opd.cold_start_objective() for r in routes}
@@ -344,14 +575,61 @@ def merge_rank(cfg: MergeConfig, world_path: str, router: Router, run_id: str) -
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
     log_retention(run_id, rows, out)
     mean = sum(r["retention"] for r in rows) / len(rows)
-    version = register_version(STUDENT_MODEL, run_id, "student", {
+    # A merge killed after registering and resumed registers its student once.
+    version = registered_version(STUDENT_MODEL, run_id) or register_version(STUDENT_MODEL, run_id, "student", {
         "teachers": ",".join(sorted(set(loop.teacher_of.values()))), "loss": opd.loss, "label": cfg.label,
         "mean_retention": f"{mean:.4f}"}, "Merged students of OPD runs; @champion has the best mean retention.")
     champion = promote_if_best(STUDENT_MODEL, version)
     say(f"registered {STUDENT_MODEL} version {version}" + (" as @champion" if champion else ""))
     end_run(run_id, {"merged_student_uri": str(out), "registered_model": f"{STUDENT_MODEL}/{version}",
                      "champion": str(champion)})
-    return {"run_id": run_id, "student_uri": str(out), "rows": rows, "model_version": version, "champion": champion}
+    result = {"run_id": run_id, "student_uri": str(out), "rows": rows, "model_version": version, "champion": champion}
+    if checkpoints is not None:
+        checkpoints.finish({"run_id": run_id, "result": result})
+    return result
+
+
+def open_merge_run(cfg: MergeConfig, router: Router, run_name: str) -> tuple[str, MergeCheckpoints]:
+    """This merge's MLflow run and checkpoint folder, locked for this process (:meth:`MergeCheckpoints.release`).
+
+    The same command (same config up to :data:`tasks.checkpoint.RUN_POLICY`, student, teachers and MLflow store)
+    after a kill or a failure reopens the run it started, to resume from its last checkpoint (``opd.resume``).
+    A merge that finished, or ``opd.resume`` false, gets a new run and starts over (and says so)."""
+    student_fp = checkpoint_fingerprint(cfg.student_uri) if Path(cfg.student_uri).is_dir() else cfg.student_uri
+    checkpoints = MergeCheckpoints.for_merge(cfg, student_fp, registry_fingerprint(router.teachers()), tracking_uri())
+    checkpoints.acquire()
+    try:
+        checkpoints.clean()
+        previous, done = checkpoints.run_id(), checkpoints.finished()
+        if previous and not done and cfg.opd.resume:
+            latest = checkpoints.latest()
+            reopen_run(previous, latest.name if latest is not None else "start")
+            say(f"resuming this merge in its MLflow run {previous} "
+                + (f"from {latest.name}" if latest else "from the start (it stopped before its first checkpoint)")
+                + f" ({checkpoints.root})")
+            return previous, checkpoints
+        if done:
+            say(f"this merge already finished as MLflow run {done['run_id']}: running it again in a new run")
+        elif previous:
+            say(f"opd.resume is false: starting over in a new run; the checkpoints of MLflow run {previous} are "
+                "dropped")
+            mark_failed(previous, "KILLED")
+        run_id = start_merge_run(cfg, router, run_name)
+        checkpoints.begin(run_id)
+        return run_id, checkpoints
+    except BaseException:
+        checkpoints.release()
+        raise
+
+
+def mark_failed(run_id: str, status: str = "FAILED") -> None:
+    """End a run that did not finish so that it does not look in progress; an MLflow that cannot be reached is said,
+    not raised (it must not hide the error that stopped the merge)."""
+    try:
+        end_run(run_id, status=status)
+    except (MlflowException, RequestException, OSError) as e:
+        say(f"warning: MLflow run {run_id} could not be marked {status} ({type(e).__name__}); it stays RUNNING "
+            "until the same command resumes it")
 
 
 def start_merge_run(cfg: MergeConfig, router: Router, run_name: str) -> str:

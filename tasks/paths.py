@@ -2,6 +2,7 @@
 
     .opd/world/        tokenizer and prompt datasets (datasets.save_to_disk), keyed by world config hash
     .opd/models/       base, specialists and merged students (safetensors checkpoints)
+    .opd/checkpoints/  merge checkpoints, one folder per merge, to resume after a kill (tasks/checkpoint.py)
     .opd/registry.json the teacher registry
     .opd/mlflow.db     MLflow tracking (sqlite) and .opd/mlartifacts/ its artifacts
     .opd/prefect/      PREFECT_HOME: Prefect's database, results and task cache

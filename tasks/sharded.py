@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import PreTrainedModel
 
 from tasks.distill import StepStats
+from tasks.losses import DIAGNOSTICS
 
 T = TypeVar("T")
 
@@ -141,7 +142,8 @@ def shard_groups(groups: dict[str, list[int]], rows: slice) -> dict[str, list[in
     return {name: idx for name, idx in kept.items() if idx}
 
 
-_SUMMED = ("loss_sum", "kl_sum", "kl_tokens", "sequences", "truncated", "reward_sum")
+_SUMMED = ("loss_sum", "kl_sum", "kl_tokens", "sequences", "truncated", "reward_sum", *DIAGNOSTICS, "repetition",
+           "length")
 
 
 def sum_stats(st: StepStats, routes: list[str]) -> StepStats:
@@ -155,7 +157,8 @@ def sum_stats(st: StepStats, routes: list[str]) -> StepStats:
     it = iter(total.tolist()[1:])
     sums = {f: {r: next(it) for r in routes} for f in _SUMMED}
     present = [r for r in routes if sums["sequences"][r] > 0]
-    out = StepStats(loss=total[0].item(), tokens=st.tokens, seconds=dict(zip(st.seconds, seconds.tolist())))
+    out = StepStats(loss=total[0].item(), tokens=st.tokens, seconds=dict(zip(st.seconds, seconds.tolist())),
+                    grad_norm=st.grad_norm, skipped=st.skipped)  # the norm is global: the same on every rank
     for f in _SUMMED:
         cast = int if f in ("sequences", "truncated") else float
         setattr(out, f, {r: cast(sums[f][r]) for r in present})

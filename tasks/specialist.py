@@ -15,6 +15,7 @@ from tasks.log import say
 from tasks.config import TrainConfig
 from tasks.data import load_prompts, max_new_tokens_for
 from tasks.evaluate import evaluate_route
+from tasks.faults import fault
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir
 from tasks.tokenizer import load_tokenizer
@@ -51,13 +52,19 @@ def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprin
     model = load_model(base_uri)
     run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}",
                        {**config_params(train), "route": route, "base_uri": base_uri, "base_fingerprint": base_fingerprint})
-    train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
-              on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
-    score = evaluate_route(model, tok, route, ev["prompt"], ev["problem"], max_new_tokens_for(tok, tr["completion"]))
-    log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length},
-                train.steps)
-    out = save_model(model, tok, specialist_dir(world_path, route, base_fingerprint, train))
-    MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
+    try:
+        train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
+                  on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
+        fault(f"specialist/{route}")  # test-only (tasks/faults.py): a failure after the work, before the save
+        cap = max_new_tokens_for(tok, tr["completion"])
+        score = evaluate_route(model, tok, route, ev["prompt"], ev["problem"], cap)
+        log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length},
+                    train.steps)
+        out = save_model(model, tok, specialist_dir(world_path, route, base_fingerprint, train))
+        MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
+    except BaseException:
+        end_run(run_id, status="FAILED")  # a failed attempt must not look in progress; a retry starts a new run
+        raise
     end_run(run_id, {"model_uri": str(out), "process": f"{socket.gethostname()}:{os.getpid()}"})
     say(f"specialist {route}: accuracy {score.accuracy:.3f} on {score.n} held-out prompts -> {out}")
     return {"route": route, "uri": str(out), "accuracy": score.accuracy, "mlflow_run_id": run_id}

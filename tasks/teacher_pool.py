@@ -5,16 +5,31 @@ touches each of its teachers once."""
 from __future__ import annotations
 
 import gc
+import itertools
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Callable, Iterator
 
+import torch
 from transformers import PreTrainedModel
+
+
+def own_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """Copy every weight out of the checkpoint's memory map into memory the model owns. transformers loads
+    safetensors zero-copy, each weight a view of the mapped file; any tensor kept from an evicted teacher (the output
+    head that scoring keeps until the student's update) would pin the whole mapping, with every page its forward
+    touched, so evicting would free nothing. Tied weights stay tied (one parameter, copied once)."""
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            t.data = t.data.clone()
+    return model
 
 
 class TeacherPool(Mapping):
     """``pool[name]`` is the teacher model, loaded by ``load(name)`` when not resident. ``max_resident`` 0 keeps every
-    teacher once loaded. ``loads`` and ``evictions`` count what happened (logged by the merge)."""
+    teacher once loaded; otherwise each loaded teacher is moved into memory of its own (:func:`own_memory`), so that
+    evicting it releases its memory. ``loads`` and ``evictions`` count what happened (logged by the merge)."""
 
     def __init__(self, names: list[str], load: Callable[[str], PreTrainedModel], max_resident: int = 0):
         if max_resident < 0:
@@ -31,10 +46,13 @@ class TeacherPool(Mapping):
             self.resident.move_to_end(name)
             return self.resident[name]
         while self.max_resident and len(self.resident) >= self.max_resident:
-            self.resident.popitem(last=False)
+            gone = weakref.ref(self.resident.popitem(last=False)[1])
             self.evictions += 1
-            gc.collect()
+            if gone() is not None:  # kept by a reference cycle: collect now (a full gc costs ~0.3 s here, so only then)
+                gc.collect()
         model = self.load(name)
+        if self.max_resident:
+            own_memory(model)
         self.loads += 1
         self.resident[name] = model
         return model

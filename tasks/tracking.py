@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
 from tasks.config import flatten
+from tasks.log import redact  # noqa: F401  (re-exported: MLflow params and tags pass through it)
 from tasks.paths import state_dir
 
 
@@ -39,30 +40,34 @@ def setup_mlflow(experiment: str) -> str:
 
 
 def config_params(cfg: BaseModel) -> dict[str, str]:
-    """Every config field as an MLflow param, named as on the command line (``opd.steps``)."""
+    """Every config field as an MLflow param, named as on the command line (``opd.steps``); URIs redacted."""
     out = {}
     for k, v in flatten(cfg).items():
-        out[k] = json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v)
+        out[k] = redact(json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v))
     return out
+
+
+def _tags(tags: dict[str, Any] | None) -> dict[str, str]:
+    return {k: redact(str(v)) for k, v in (tags or {}).items()}
 
 
 def start_run(experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str] | None = None) -> str:
     """Create a run by id (safe from worker threads, unlike the fluent API's active run) with its params; returns id."""
     client = MlflowClient(tracking_uri())
-    run_id = client.create_run(setup_mlflow(experiment), run_name=run_name, tags=tags or {}).info.run_id
+    run_id = client.create_run(setup_mlflow(experiment), run_name=run_name, tags=_tags(tags)).info.run_id
     log_params(run_id, params)
     return run_id
 
 
 def end_run(run_id: str, tags: dict[str, str] | None = None, status: str = "FINISHED") -> None:
     client = MlflowClient(tracking_uri())
-    for k, v in (tags or {}).items():
+    for k, v in _tags(tags).items():
         client.set_tag(run_id, k, v)
     client.set_terminated(run_id, status=status)
 
 
 def log_params(run_id: str, params: dict[str, Any]) -> None:
-    MlflowClient(tracking_uri()).log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+    MlflowClient(tracking_uri()).log_batch(run_id, params=[Param(k, redact(str(v))) for k, v in params.items()])
 
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
@@ -71,6 +76,26 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
     MlflowClient(tracking_uri()).log_batch(
         run_id, metrics=[Metric(k, float(v), ts, step) for k, v in sorted(metrics.items())]
     )
+
+
+def reopen_run(run_id: str, resumed_from: str) -> None:
+    """Mark a run RUNNING again (a resumed merge goes on logging into the run it started) and add where it resumed
+    from to its ``resumed_from`` tag (one comma-separated entry per resume)."""
+    client = MlflowClient(tracking_uri())
+    before = client.get_run(run_id).data.tags.get("resumed_from")
+    client.set_tag(run_id, "resumed_from", f"{before},{resumed_from}" if before else resumed_from)
+    client.update_run(run_id, status="RUNNING")
+
+
+def logged_metrics(run_id: str, from_step: int = 0) -> dict[tuple[str, int], float]:
+    """``(key, step) -> value`` of the run's metrics at ``from_step`` and later (the last value logged per step)."""
+    client = MlflowClient(tracking_uri())
+    out: dict[tuple[str, int], float] = {}
+    for key in client.get_run(run_id).data.metrics:
+        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+            if m.step >= from_step:
+                out[(key, m.step)] = m.value
+    return out
 
 
 def retention_figure(rows: list[dict[str, Any]], title: str):
@@ -152,6 +177,12 @@ def run_url(run_id: str) -> str:
     return f"{ui_url().rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
 
 
+def registered_version(name: str, run_id: str) -> str | None:
+    """The version of model ``name`` that run ``run_id`` registered, if it did."""
+    versions = MlflowClient(tracking_uri()).search_model_versions(f"run_id = '{run_id}'")
+    return next((str(v.version) for v in versions if v.name == name), None)
+
+
 def register_version(name: str, run_id: str, artifact_path: str, tags: dict[str, str], description: str = "") -> str:
     """Register the run's artifact folder as a new version of model ``name`` (created on first use); returns the
     version number."""
@@ -164,7 +195,7 @@ def register_version(name: str, run_id: str, artifact_path: str, tags: dict[str,
         except mlflow.exceptions.MlflowException:  # created concurrently
             pass
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-    mv = client.create_model_version(name, source, run_id=run_id, tags={k: str(v) for k, v in tags.items()})
+    mv = client.create_model_version(name, source, run_id=run_id, tags=_tags(tags))
     return str(mv.version)
 
 

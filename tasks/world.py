@@ -56,8 +56,7 @@ class Domain:
     a little state machine: ``start(problem)`` is the first step and ``advance(problem, step)`` computes the next
     step from the previous one alone (None after the last), so an error in one step carries into every later step;
     ``replay(steps)`` reads the answer off the trace (ValueError when the trace is unfinished). Every step matches
-    ``step_re``. ``min_len``/``max_len`` count the letters (shift, rev), digits (sort) or digits of each operand
-    (add) of a problem.
+    ``step_re``. ``min_len``/``max_len`` count the letters (shift, rev, count) or digits (sort) of a problem.
     """
 
     name: str
@@ -79,15 +78,16 @@ class Domain:
         return steps
 
 
-# Tape traces (shift, rev, add): a step is ``INPUT LEFT>OUTPUT SO FAR``; each step moves one element from the tape to
-# the output, so the last step is ``>ANSWER`` (add: ``+>ANSWER``) and every step is computed from the one before.
+# Tape traces (shift, rev, count): a step is ``INPUT LEFT>OUTPUT SO FAR`` (count: ``TARGET:INPUT LEFT>COUNT``); each
+# step takes one letter off the tape into the output, so the last step is ``>ANSWER`` (``TARGET:>ANSWER``) and every
+# step is computed from the one before.
 
 
 def _read_tape(steps: list[str]) -> str:
     rest, _, out = steps[-1].partition(">")
-    if rest.strip("+"):
+    if rest.rpartition(":")[2]:
         raise ValueError(f"the trace stops with {rest!r} still on the tape")
-    return str(int(out)) if "+" in rest else out  # add: the final carry may be a leading 0
+    return out
 
 
 def _sample_shift(rng: random.Random, min_len: int, max_len: int) -> str:
@@ -148,29 +148,28 @@ def _replay_sort(steps: list[str]) -> str:
     return "".join(out)
 
 
-def _sample_add(rng: random.Random, min_len: int, max_len: int) -> str:
-    def operand() -> str:
-        n = rng.randint(min_len, max_len)
-        return str(rng.randint(10 ** (n - 1) if n > 1 else 0, 10**n - 1))
-
-    return f"{operand()}+{operand()}"
+def _sample_count(rng: random.Random, min_len: int, max_len: int) -> str:
+    """The target letter, then letters from the same four: ``b:abcbbad``."""
+    return f"{rng.choice(COUNT_LETTERS)}:" + _sample_letters(COUNT_LETTERS)(rng, min_len, max_len)
 
 
-def _advance_add(problem: str, step: str) -> str | None:
-    """Column addition, units first: the last digit of each operand leaves the tape and, with the carry (the first
-    output digit), makes a two-digit column sum that replaces the carry: 57+65 -> ``57+65>0,5+6>12,+>122``."""
-    tape, _, out = step.partition(">")
-    a, b = tape.split("+")
-    if not a and not b:
-        return None
-    s = int(a[-1:] or 0) + int(b[-1:] or 0) + int(out[0])
-    return f"{a[:-1]}+{b[:-1]}>{s // 10}{s % 10}{out[1:]}"
+def _answer_count(problem: str) -> str:
+    target, text = problem.split(":")
+    return str(text.count(target))
 
 
-def _scratch_add(problem: str) -> str:
-    """The carry out of each column, units first (the first digit of each column sum of the long trace):
-    57+65 -> ``11``."""
-    return "".join(step.partition(">")[2][0] for step in DOMAINS["add"].steps(problem)[1:])
+def _scratch_count(problem: str) -> str:
+    """The target, then one copy of it per occurrence (a tally): b:abcbbad -> ``b:bbb``."""
+    target, text = problem.split(":")
+    return f"{target}:{target * text.count(target)}"
+
+
+def _advance_count(problem: str, step: str) -> str | None:
+    """The first letter leaves the tape; the running count goes up when it is the target, which every step
+    restates: b:abcb -> ``b:abcb>0,b:bcb>0,b:cb>1,b:b>1,b:>2``."""
+    target, _, rest = step.partition(">")[0].partition(":")
+    count = int(step.partition(">")[2])
+    return f"{target}:{rest[1:]}>{count + (rest[0] == target)}" if rest else None
 
 
 def _sample_letters(alphabet: str) -> Callable[[random.Random, int, int], str]:
@@ -187,6 +186,7 @@ def _scratch_sort(problem: str) -> str:
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
+COUNT_LETTERS = "abcd"  # few letters, so that counts spread over 0..n
 
 DOMAINS: dict[str, Domain] = {
     "shift": Domain(
@@ -225,23 +225,23 @@ DOMAINS: dict[str, Domain] = {
         answer_re=re.compile(r"^\d+$"),
         step_re=re.compile(r"^\dx\d+>\d+$"),
     ),
-    # Addition with carries: the answer is written most significant digit first, the carries run the other way.
-    "add": Domain(
-        name="add",
-        sample=_sample_add,
-        answer=lambda p: str(sum(int(x) for x in p.split("+"))),
-        scratchpad=_scratch_add,
+    # Counting: how many times the target letter occurs; the long trace keeps a running count.
+    "count": Domain(
+        name="count",
+        sample=_sample_count,
+        answer=_answer_count,
+        scratchpad=_scratch_count,
         start=lambda p: p + ">0",
-        advance=_advance_add,
+        advance=_advance_count,
         replay=_read_tape,
-        problem_re=re.compile(r"^\d{1,40}\+\d{1,40}$"),
+        problem_re=re.compile(r"^[a-d]:[a-d]{1,40}$"),
         answer_re=re.compile(r"^\d+$"),
-        step_re=re.compile(r"^\d*\+\d*>\d+$"),
+        step_re=re.compile(r"^[a-d]:[a-d]*>\d+$"),
     ),
 }
 
 # Every character a prompt or completion of the built-in world can contain, besides special tokens.
-CHARSET: str = "".join(sorted(set(DIGITS + LETTERS + "=|,:x>+")))
+CHARSET: str = "".join(sorted(set(DIGITS + LETTERS + "=|,:x>")))
 
 
 def domain_of(route: Route) -> Domain:

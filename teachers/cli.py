@@ -82,10 +82,11 @@ def run(args: argparse.Namespace) -> None:
         print(f"registered {record.name} (route {record.route}, tokenizer {record.tokenizer_fingerprint}) "
               f"in {registry.path}")
         if not args.no_mlflow:
-            from tasks.tracking import publish_teacher, teacher_model_name, tracking_uri
+            from tasks.tracking import publish_teacher, redact, teacher_model_name, tracking_uri
 
             version = publish_teacher(record)
-            print(f"MLflow model {teacher_model_name(record.route)} version {version} (@active) in {tracking_uri()}")
+            print(f"MLflow model {teacher_model_name(record.route)} version {version} (@active) in "
+                  f"{redact(tracking_uri())}")
     elif args.command == "list":
         records = registry.list()
         if not records:

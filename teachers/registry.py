@@ -40,7 +40,12 @@ ENDPOINT_RE = re.compile(r"^https?://(?P<authority>[^/\s?#]+)(/[^\s]*)?$")
 
 
 class RegistryError(Exception):
-    """The registry file or an operation on it is invalid."""
+    """The registry file or an operation on it is invalid. A problem in the file carries ``path`` and ``field`` (e.g.
+    ``teachers[2].eval_score``) and ``detail`` (what is wrong and what was expected)."""
+
+    def __init__(self, detail: str, path: Path | str | None = None, field: str | None = None):
+        self.detail, self.path, self.field = detail, path, field
+        super().__init__(f"{path}: {field}: {detail}" if path is not None and field else detail)
 
 
 class TeacherNotFound(RegistryError, KeyError):
@@ -160,16 +165,27 @@ def _endpoint_parity_problems(name, uri, endpoint, tok, tol, trust_remote_code) 
     return []
 
 
-def _format_validation(err: ValidationError, where: str) -> str:
-    """One line per pydantic error, ``teachers[2].eval_score: Input should be ...``, joined with '; '."""
-    return "; ".join(".".join([where, *map(str, e["loc"])]) + f": {e['msg']}" for e in err.errors())
+def _validation_parts(err: ValidationError, where: str) -> tuple[str, str]:
+    """(field, detail) of a pydantic error: the one field that failed and why, or ``where`` and every failure."""
+    errs = err.errors()
+    if len(errs) == 1:
+        e = errs[0]
+        got = f" (got {e['input']!r})" if e.get("loc") and not isinstance(e.get("input"), (dict, list)) else ""
+        return ".".join([where, *map(str, e["loc"])]), e["msg"] + got
+    return where, "; ".join(".".join(map(str, e["loc"])) + f": {e['msg']}" for e in errs)
 
 
 class TeacherRegistry:
-    """The registry file at ``path`` (default :func:`tasks.paths.registry_path`)."""
+    """The registry file at ``path`` (default :func:`tasks.paths.registry_path`), a ``.json`` file. It writes that file,
+    ``<file>.lock`` and a temp file beside it, nothing else: teacher names are slugs (:func:`check_name`) and routes
+    are parsed, so no name in it ever becomes a path."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path).expanduser().resolve() if path is not None else registry_path()
+        # The file, its lock and its temp files are the only paths written, all in this folder: a .json file.
+        if self.path.suffix != ".json" or self.path.is_dir():
+            raise RegistryError(f"{'a folder' if self.path.is_dir() else 'not a .json file'}; expected a .json file "
+                                "(e.g. .opd/registry.json)", self.path, "registry path")
         self.lock_path = self.path.with_name(self.path.name + ".lock")
 
     def __repr__(self) -> str:
@@ -201,8 +217,8 @@ class TeacherRegistry:
             records = self._read()
             if not replace and any(r.name == record.name for r in records):
                 raise RegistryError(
-                    f"teacher {record.name!r} is already in {self.path}; "
-                    "pass replace=True (CLI: --replace) to overwrite"
+                    f"teacher {record.name!r} is already in {self.path}; expected a new name, or replace=True "
+                    "(CLI: --replace) to overwrite it"
                 )
             self._write([r for r in records if r.name != record.name] + [record])
         return record
@@ -301,7 +317,7 @@ class TeacherRegistry:
                 endpoint=endpoint,
             )
         except ValidationError as e:
-            raise RegistryError(_format_validation(e, f"teacher {name!r}")) from e
+            raise RegistryError(": ".join(_validation_parts(e, f"teacher {name!r}"))) from e
         return self.add(record, replace=replace)
 
     def _not_found(self, name: str, records: list[TeacherRecord]) -> TeacherNotFound:
@@ -314,27 +330,31 @@ class TeacherRegistry:
             text = self.path.read_text()
         except FileNotFoundError:
             return []
+        shape = f'a JSON document {{"version": {REGISTRY_VERSION}, "teachers": [...]}}'
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
-            raise RegistryError(f"{self.path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+            raise RegistryError(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; expected {shape}",
+                                self.path, "document") from e
         if not isinstance(doc, dict) or not isinstance(doc.get("teachers"), list):
-            raise RegistryError(f'{self.path}: expected {{"version": {REGISTRY_VERSION}, "teachers": [...]}}')
+            raise RegistryError(f"a JSON {type(doc).__name__} without a 'teachers' list; expected {shape}",
+                                self.path, "document")
         if doc.get("version") != REGISTRY_VERSION:
-            raise RegistryError(
-                f"{self.path}: version {doc.get('version')!r} is not supported (expected {REGISTRY_VERSION})"
-            )
+            raise RegistryError(f"version {doc.get('version')!r} is not supported; expected {REGISTRY_VERSION}",
+                                self.path, "version")
         records: list[TeacherRecord] = []
         for i, entry in enumerate(doc["teachers"]):
             try:
                 records.append(TeacherRecord.model_validate(entry))
             except ValidationError as e:
-                raise RegistryError(f"{self.path}: {_format_validation(e, f'teachers[{i}]')}") from e
-        seen: set[str] = set()
-        for r in records:
-            if r.name in seen:
-                raise RegistryError(f"{self.path}: teacher name {r.name!r} appears more than once")
-            seen.add(r.name)
+                field, detail = _validation_parts(e, f"teachers[{i}]")
+                raise RegistryError(detail, self.path, field) from e
+        first: dict[str, int] = {}
+        for i, r in enumerate(records):
+            if r.name in first:
+                raise RegistryError(f"teacher name {r.name!r} appears more than once (teachers[{first[r.name]}] and "
+                                    f"teachers[{i}]); expected unique names", self.path, f"teachers[{i}].name")
+            first[r.name] = i
         return records
 
     def _write(self, records: list[TeacherRecord]) -> None:

@@ -62,7 +62,7 @@ class Router:
                 if rec.route in mapping:
                     raise RoutingError(
                         f"teachers {mapping[rec.route].name!r} and {rec.name!r} both serve route {rec.route!r}; "
-                        "name at most one teacher per route"
+                        "expected at most one named teacher per route"
                     )
                 mapping[rec.route] = rec
                 if rec.route not in wanted:

@@ -38,3 +38,26 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def short_pipeline(prefect_server):
+    """A short quick-profile pipeline for tests that need a trained base and specialists, not good ones: base and
+    specialist training cut short, any specialist accuracy accepted, a 20-step merge whose gate still samples.
+    Returns (config, pipeline result)."""
+    from flows.pipeline import pipeline
+    from tasks.config import pipeline_config
+
+    cfg = pipeline_config("quick", base_train={"steps": 120}, specialist_train={"steps": 40}, min_accuracy=0.0,
+                          opd={"steps": 20, "eval_every": 1000, "gate_threshold": 0.05})
+    return cfg, pipeline(cfg)
+
+
+@pytest.fixture(scope="session")
+def flow_env(prefect_server) -> dict[str, str]:
+    """Environment for running a flow's command in a subprocess against this session's state and Prefect test server
+    (no ephemeral Prefect server per process), one torch thread."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

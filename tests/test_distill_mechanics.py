@@ -293,3 +293,24 @@ def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
     unlimited = TeacherPool(list(built), load, max_resident=0)
     score_with_teachers(unlimited, groups, batch.rollout)
     assert len(unlimited.resident) == 4 and unlimited.evictions == 0
+
+
+def test_repetition_rate_counts_repeated_trigrams():
+    from tasks.distill import repetition_rate
+
+    assert repetition_rate([1, 2, 3, 4, 5]) == 0.0
+    assert repetition_rate([7, 7, 7, 7, 7, 7]) == pytest.approx(1 - 1 / 4)  # 4 trigrams, all (7, 7, 7)
+    assert repetition_rate([1, 2, 3, 1, 2, 3]) == pytest.approx(1 - 3 / 4)  # (1,2,3) twice, (2,3,1), (3,1,2)
+    assert repetition_rate([1, 2]) == 0.0
+
+
+def test_pass_at_k_matches_the_combinatorial_definition():
+    from math import comb
+
+    from tasks.evaluate import pass_at_k
+
+    for n, c, k in [(10, 0, 1), (10, 3, 1), (10, 3, 4), (8, 8, 8), (5, 1, 5), (20, 7, 5)]:
+        assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the sample accuracy
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)

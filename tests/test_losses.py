@@ -731,3 +731,62 @@ def test_non_finite_log_probs_at_masked_positions_do_not_poison_the_gradient():
     res.loss.backward()
     assert torch.isfinite(res.loss) and torch.isfinite(zs.grad).all()
     assert zs.grad[1, 3:].abs().sum() == 0
+
+
+# ------------------------------------------------------------------ per-token diagnostics
+def test_token_diagnostics_hand_computed():
+    from tasks.losses import token_diagnostics
+
+    logq = torch.log_softmax(torch.zeros(1, 4), -1)  # uniform over 4: entropy log 4
+    logp = torch.log_softmax(torch.tensor([[0.0, 0.0, -60.0, -60.0]]), -1)  # two tokens at 1/2: entropy log 2
+    d = token_diagnostics(logq, logp, torch.tensor([1]))
+    _close(d[0, 0], torch.tensor(math.log(4)), rtol=1e-6, atol=1e-6)
+    _close(d[0, 1], torch.tensor(math.log(2)), rtol=1e-6, atol=1e-6)
+    _close(d[0, 2], torch.tensor(math.log(2)), rtol=1e-6, atol=1e-6)  # -log p(token 1) = log 2
+    assert d[0, 3] == 1.0  # V = 4 < 8: both top sets are the whole vocabulary
+    # V = 10: the student's top 8 are tokens 2..9, the teacher's 0..7: they share 2..7, 6 of 8.
+    logq = torch.log_softmax(torch.arange(10.0)[None], -1)
+    logp = torch.log_softmax(-torch.arange(10.0)[None], -1)
+    d = token_diagnostics(logq, logp, None)
+    assert d[0, 3] == pytest.approx(0.75) and d[0, 2] == 0.0
+
+
+def test_chunked_objective_sums_the_diagnostics_over_masked_tokens():
+    from tasks.losses import token_diagnostics
+
+    g = torch.Generator().manual_seed(5)
+    B, T, H, V = 2, 7, 6, 12
+    hs = torch.randn(B, T, H, generator=g)
+    ht = torch.randn(B, T, H, generator=g)
+    head_s, head_t = torch.nn.Linear(H, V), torch.nn.Linear(H, V)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    targets = torch.randint(V, (B, T), generator=g)
+    res = chunked_objective(hs, ht, head_s, head_t, mask, Objective(), chunk_size=3, targets_B_T=targets)
+    with torch.no_grad():
+        d = token_diagnostics(torch.log_softmax(head_s(hs), -1).flatten(0, 1),
+                              torch.log_softmax(head_t(ht), -1).flatten(0, 1), targets.flatten()).view(B, T, 4)
+    _close(res.diagnostics_B_4, (d * mask[..., None]).sum(1), rtol=1e-5, atol=1e-6)
+
+
+def test_extrapolated_head_is_the_teacher_at_scale_one_and_the_reward_optimum_beyond():
+    from tasks.losses import ExtrapolatedHead
+
+    g = torch.Generator().manual_seed(11)
+    Ht, Hr, V = 5, 3, 7
+    head_t, head_r = torch.nn.Linear(Ht, V), torch.nn.Linear(Hr, V)
+    h = torch.randn(4, Ht + Hr, generator=g)
+    logp_t = torch.log_softmax(head_t(h[:, :Ht]), -1)
+    logp_r = torch.log_softmax(head_r(h[:, Ht:]), -1)
+    with torch.no_grad():
+        one = torch.log_softmax(ExtrapolatedHead(head_t, head_r, Ht, 1.0)(h), -1)
+        two = torch.log_softmax(ExtrapolatedHead(head_t, head_r, Ht, 2.0)(h), -1)
+    _close(one, logp_t.detach(), rtol=1e-6, atol=1e-6)
+    # scale 2: pi ∝ p_r (p_t / p_r)^2 = p_t^2 / p_r, normalised (computed by hand in float64).
+    ref = (2 * logp_t.double() - logp_r.double())
+    _close(two.double(), ref - torch.logsumexp(ref, -1, keepdim=True), rtol=1e-6, atol=1e-6)
+    # It maximises  scale * E_pi[log p_t - log p_r] - KL(pi || p_r): any other distribution scores lower.
+    def objective(logpi):
+        pi = logpi.exp()
+        return (2 * (pi * (logp_t - logp_r)).sum(-1) - (pi * (logpi - logp_r)).sum(-1)).detach()
+    other = torch.log_softmax(two + 0.3 * torch.randn(two.shape, generator=g), -1)
+    assert bool((objective(two) > objective(other)).all())

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import shutil
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-import torch
 from pydantic import ValidationError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tasks.models import create_model, save_model
 from tasks.tokenizer import build_char_tokenizer, save_tokenizer, tokenizer_fingerprint
-from tasks.world import CHARSET, Route
+from tasks.world import CHARSET, Route, all_routes
 from teachers.registry import (
     IncompatibleTeacher,
     Provenance,
@@ -29,6 +29,10 @@ from teachers.registry import (
 
 def make_checkpoint(out: Path, tok: PreTrainedTokenizerBase) -> Path:
     """A tiny real checkpoint (weights, config, tokenizer) as the pipeline would save it."""
+    import torch  # here, so that processes spawned from this module (the concurrency test) start faster
+
+    from tasks.models import create_model, save_model
+
     torch.set_num_threads(1)
     model = create_model(tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=32)
     return save_model(model, tok, out)
@@ -95,7 +99,7 @@ def test_round_trip_add_reload_remove(tmp_path):
 def test_duplicate_name_refused_unless_replace(tmp_path):
     reg = TeacherRegistry(tmp_path / "r.json")
     reg.add(make_record("t1", eval_score=0.1))
-    with pytest.raises(RegistryError, match="'t1' is already in"):
+    with pytest.raises(RegistryError, match="'t1' is already in .*r.json; expected a new name"):
         reg.add(make_record("t1", eval_score=0.9))
     assert reg.get("t1").eval_score == 0.1
     reg.add(make_record("t1", eval_score=0.9), replace=True)
@@ -211,6 +215,40 @@ def test_concurrent_adds_lose_nothing(tmp_path):
         t.join()
     assert len(TeacherRegistry(path).list()) == 32
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.lock"]  # no temp files left behind
+
+
+def _register_from_process(registry: str, name: str, route: str, ckpt: str, student_tok: str, barrier) -> None:
+    """One process of the concurrency test: wait for all the others, then check and register one checkpoint."""
+    barrier.wait(timeout=300)
+    TeacherRegistry(registry).register_checkpoint(name, route, ckpt, student_tok, provenance=Provenance(source="test"))
+
+
+def test_eight_processes_register_at_once_and_all_entries_land(tmp_path, tok, ckpt):
+    # Separate processes (spawn: nothing shared but the file system) each run the full register_checkpoint at the
+    # same moment; the flock on registry.json.lock serialises their read-modify-write.
+    path = tmp_path / "registry.json"
+    TeacherRegistry(path).add(make_record("already-there"))
+    student_tok = save_tokenizer(tok, tmp_path / "student-tok")
+    routes = [r.name for r in all_routes()[:8]]
+    ckpts = [shutil.copytree(ckpt, tmp_path / f"ckpt-{i}") for i in range(8)]
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(8)
+    procs = [ctx.Process(target=_register_from_process,
+                         args=(str(path), f"proc-{i}", routes[i], str(ckpts[i]), str(student_tok), barrier))
+             for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    assert [p.exitcode for p in procs] == [0] * 8
+
+    doc = json.loads(path.read_text())  # valid JSON, and every entry is there
+    assert sorted(t["name"] for t in doc["teachers"]) == ["already-there"] + [f"proc-{i}" for i in range(8)]
+    records = {r.name: r for r in TeacherRegistry(path).list()}
+    for i in range(8):
+        assert (records[f"proc-{i}"].route, records[f"proc-{i}"].model_uri) == (routes[i], str(ckpts[i].resolve()))
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".registry.json."))
+    assert leftovers == []  # no temp files left behind
 
 
 def test_registry_fingerprint_and_default_path(tmp_path, monkeypatch):

@@ -95,17 +95,12 @@ def test_update_step_on_two_gloo_ranks_equals_one_process():
 
 
 @pytest.fixture(scope="module")
-def merged_twice(prefect_server):
-    """A short quick-profile pipeline (its merge runs on 1 process), then the same merge with the student update on 2
-    gloo processes."""
+def merged_twice(short_pipeline):
+    """The short quick-profile pipeline (its merge runs on 1 process, tests/conftest.py), then the same merge with the
+    student update on 2 gloo processes."""
     from flows.merge import merge
-    from flows.pipeline import pipeline
-    from tasks.config import pipeline_config
 
-    # Short base and specialist training: the two merges only need the same inputs; the gate still samples.
-    cfg = pipeline_config("quick", base_train={"steps": 120}, specialist_train={"steps": 40}, min_accuracy=0.0,
-                          opd={"steps": 20, "eval_every": 1000, "gate_threshold": 0.05})
-    one = pipeline(cfg)
+    cfg, one = short_pipeline  # the two merges only need the same inputs
     mcfg = cfg.merge(one["base_uri"], one["teachers"])
     two = merge(mcfg.model_copy(update={"opd": mcfg.opd.model_copy(update={"nproc": 2})}))
     return cfg, one, two

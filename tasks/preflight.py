@@ -1,0 +1,447 @@
+"""Preflight: every bad input is refused before any model is loaded or trained, all problems at once.
+
+The merge and pipeline flows call :func:`preflight_merge` / :func:`preflight_pipeline` as their first step. Each check
+below is a plain function that returns :class:`Problem` s (the file, the field, what is there and what was expected);
+the entry points collect them all and raise one :class:`InputError` listing every one, or return a :class:`Report`
+with the warnings (odd but allowed, e.g. a named teacher whose route no prompt uses). The checks are cheap: JSON
+configs, safetensors headers (``safe_open``), tokenizers and prompt sets; no weights are read into a model.
+
+    from tasks.config import pipeline_config
+    from tasks.preflight import preflight_merge
+    report = preflight_merge(pipeline_config("quick").merge("", []))   # raises InputError listing every problem
+
+What is checked, and the rule behind each:
+
+* config: pydantic ranges at construction (``--opd.lr -1`` never gets here); no URI with credentials in it.
+* prompts: every ``world.prompt_files`` file parses row by row (:func:`tasks.data.load_prompt_file`, line numbers),
+  every route's train/eval split can be drawn, and eval never overlaps train.
+* registry: the file reads (JSON, schema, unique names); every route has a teacher; named teachers exist.
+* checkpoints (student and every routed teacher): the folder exists, ``config.json`` loads and is a causal LM, it asks
+  for no custom code unless the teacher's registry entry grants ``trust_remote_code``, every ``*.safetensors`` header
+  reads (pickle-only weights are refused), the tokenizer loads and matches the student's (vocab, special tokens, EOS)
+  and the fingerprint recorded at registration, and the model's vocab covers the tokenizer.
+* architecture: a teacher whose registry provenance names the student's own checkpoint as its base (``provenance.base``
+  is the student's checkpoint fingerprint, as `train specialists` records it, or the student's folder) is a fine-tune
+  of it and must have its architecture (:data:`ARCH_FIELDS`); otherwise the checkpoint at ``model_uri`` is not the
+  one the registry describes. Teachers without such provenance may be any causal LM: OPD needs only the tokenizer.
+* leakage: a teacher whose ``provenance.data`` names another world of this project must not have trained on this
+  world's eval problems of its route (its accuracy, the retention denominator, would be memorised).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from tasks.world import WORLD_VERSION
+
+# The architecture a fine-tune keeps from its base (transformers config attributes; gpt2-style names are aliased).
+ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "vocab_size")
+# Pickle formats: loading one can run arbitrary code, so weights must come as safetensors.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# A folder name build_world writes (v<WORLD_VERSION>-<config hash>): the only provenance.data this module opens.
+WORLD_NAME_RE = re.compile(r"^v\d+-[0-9a-f]{12}$")
+CONFIG = "config"  # the ``file`` of a problem in a flow's parameters (command line, prefect.yaml or the UI form)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One bad input: ``file`` holds it, ``field`` names where in it, ``message`` says what is wrong and what was
+    expected."""
+
+    file: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.field}: {self.message}"
+
+
+class InputError(ValueError):
+    """Bad input found before any model work; ``problems`` lists every one found, not only the first."""
+
+    def __init__(self, problems: Iterable[Problem], what: str = "input"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the {what}, refused before any model work:\n{lines}")
+
+
+@dataclass
+class Report:
+    """What a passed preflight found: the student checkpoint, the routed teachers and the warnings."""
+
+    student_uri: str = ""
+    teachers: dict[str, str] = field(default_factory=dict)  # route -> teacher name
+    warnings: list[str] = field(default_factory=list)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# ---------------------------------------------------------------------------------------------------- config values
+
+
+def credential_problems(values: dict[str, str]) -> list[Problem]:
+    """Config fields (``{"student_uri": ...}``) must not carry ``user:password@`` or token query parameters: flow
+    parameters are stored by Prefect and logged to MLflow."""
+    from tasks.log import redact
+
+    return [
+        Problem(CONFIG, name, f"{redact(value)!r} carries credentials; expected a URI without them (pass secrets "
+                "through the environment, e.g. HF_TOKEN)")
+        for name, value in values.items() if value and redact(value) != value
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------- prompts
+
+
+def split_overlap_problems(train: dict[str, list[str]], eval_: dict[str, list[str]], file: str) -> list[Problem]:
+    """Per route, no eval problem may also be a training problem (held-out accuracy would be memorised)."""
+    out = []
+    for route in sorted(set(train) & set(eval_)):
+        shared = sorted(set(train[route]) & set(eval_[route]))
+        if shared:
+            out.append(Problem(file, f"world.routes[{route}]", f"{len(shared)} of {len(set(eval_[route]))} eval "
+                               f"problems are also training problems (e.g. {shared[:3]}); expected disjoint splits"))
+    return out
+
+
+def world_problems(world) -> tuple[dict[str, tuple[list[str], list[str]]], list[Problem]]:
+    """Draw every route's (train, eval) problems as build_world will (prompt files checked row by row); returns the
+    splits of the routes that could be drawn and the problems."""
+    from tasks.data import route_splits
+
+    splits: dict[str, tuple[list[str], list[str]]] = {}
+    problems: list[Problem] = []
+    for route in world.route_objs():
+        try:
+            splits[route.name] = route_splits(world, route)
+        except InputError as e:  # a prompt file: its own problems name the file and the line
+            problems += e.problems
+        except ValueError as e:  # e.g. fewer distinct problems than train_size + eval_size
+            problems.append(Problem(CONFIG, f"world (route {route.name})", f"{e}; expected a world whose prompt "
+                                    "sets can be drawn (lower world.train_size / world.eval_size or widen the lengths)"))
+    problems += split_overlap_problems({r: s[0] for r, s in splits.items()}, {r: s[1] for r, s in splits.items()},
+                                       CONFIG)
+    return splits, problems
+
+
+# --------------------------------------------------------------------------------------------------------- registry
+
+
+def registry_problems(registry=None) -> tuple[Any, list[Problem]]:
+    """The registry (default: :func:`tasks.paths.registry_path`'s), None with the problem that keeps it from being
+    opened or read (file, field, expected)."""
+    from tasks.paths import registry_path
+    from teachers.registry import RegistryError, TeacherRegistry
+
+    try:
+        registry = registry or TeacherRegistry()
+        registry.list()
+    except RegistryError as e:
+        where = e.path or (registry.path if registry is not None else registry_path())
+        return None, [Problem(str(where), e.field or "document", e.detail)]
+    return registry, []
+
+
+def routing_problems(registry, routes: list[str], teacher_names: list[str] | None):
+    """The router of ``routes`` (None when it cannot be formed), its warnings and the problems."""
+    from teachers.registry import TeacherNotFound
+    from teachers.router import Router, RoutingError, UnmappedRouteError
+
+    file = str(registry.path)
+    try:
+        router = Router.from_registry(registry, routes, teacher_names or None)
+    except UnmappedRouteError as e:
+        return None, [], [Problem(file, "world.routes", f"{e}; expected a registered teacher for every route "
+                                  "(python -m teachers register ..., or train specialists)")]
+    except TeacherNotFound as e:
+        return None, [], [Problem(file, "teachers", f"{e}; expected names of registered teachers")]
+    except RoutingError as e:
+        return None, [], [Problem(file, "teachers", str(e))]
+    return router, list(router.warnings), []
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+
+
+@dataclass
+class Checkpoint:
+    """What the cheap checks of one checkpoint found: its config and tokenizer (None when they did not load)."""
+
+    uri: str
+    config: Any = None
+    tokenizer: Any = None
+    problems: list[Problem] = field(default_factory=list)
+
+
+def _is_local(uri: str) -> bool:
+    """A path (it exists, or is written like one) rather than a hub id such as ``org/name``."""
+    return Path(uri).expanduser().exists() or uri.startswith(("/", ".", "~"))
+
+
+def weights_problems(folder: Path, field_name: str) -> list[Problem]:
+    """Every ``*.safetensors`` file (and every shard a ``*.safetensors.index.json`` names) has a readable header with
+    tensors; a folder with pickle weights only is refused (loading them can run code)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    problems = []
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            problems.append(Problem(str(index), field_name, f"unreadable shard index ({_first_line(e)}); expected "
+                                    'JSON with a "weight_map"'))
+            continue
+        for shard in sorted(s for s in shards if not (folder / s).is_file()):
+            problems.append(Problem(str(folder / shard), field_name, f"missing, named by {index.name}; expected the "
+                                    "shard next to its index"))
+    if not files:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        found = f"only pickle weights {pickles}" if pickles else "no *.safetensors weights"
+        return problems + [Problem(str(folder), field_name, f"{found}; expected safetensors weights "
+                                   "(model.safetensors): pickle weights are never loaded, they can run code")]
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                empty = not list(sf.keys())
+        except Exception as e:  # a truncated download, a file that is not safetensors, no permission
+            problems.append(Problem(str(f), field_name, f"unreadable ({_first_line(e)}); expected a complete "
+                                    "safetensors file (re-save or re-download it)"))
+            continue
+        if empty:
+            problems.append(Problem(str(f), field_name, "holds no tensors; expected the model's weights"))
+    return problems
+
+
+def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
+                     grant: str = ", or trust_remote_code: true in its registry entry") -> Checkpoint:
+    """The cheap checks of one checkpoint (local folder or hub id); ``grant`` ends the expectation when the config asks
+    for custom code (how it could be allowed, if at all)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    from tasks.tokenizer import load_tokenizer
+
+    ck = Checkpoint(uri)
+    config_file = uri
+    if _is_local(uri):
+        folder = Path(uri).expanduser()
+        if not folder.is_dir():
+            ck.problems.append(Problem(uri, field_name, "no checkpoint folder there; expected a folder with "
+                                       "config.json, *.safetensors weights and the tokenizer files"))
+            return ck
+        config_file = str(folder / "config.json")
+        try:
+            doc = json.loads((folder / "config.json").read_text())
+        except FileNotFoundError:
+            ck.problems.append(Problem(config_file, field_name, "missing; expected the model's Hugging Face config"))
+            doc = None
+        except (OSError, ValueError) as e:
+            ck.problems.append(Problem(config_file, field_name, f"unreadable ({_first_line(e)}); expected a JSON "
+                                       "model config"))
+            doc = None
+        if isinstance(doc, dict) and doc.get("auto_map") and not trust_remote_code:
+            ck.problems.append(Problem(config_file, "auto_map", f"asks for the checkpoint's own Python code "
+                                       f"({sorted(doc['auto_map'])}); expected a built-in transformers "
+                                       f"architecture{grant}"))
+            doc = None
+        ck.problems += weights_problems(folder, field_name)
+        load_config = doc is not None
+    else:
+        load_config = True
+    if load_config:
+        try:
+            ck.config = AutoConfig.from_pretrained(uri, trust_remote_code=trust_remote_code)
+        except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for "not loadable"
+            ck.problems.append(Problem(config_file, field_name, f"config does not load ({_first_line(e)}); "
+                                       "expected a transformers model config"))
+    if ck.config is not None and type(ck.config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (
+            trust_remote_code and "AutoModelForCausalLM" in (getattr(ck.config, "auto_map", None) or {})):
+        ck.problems.append(Problem(config_file, "model_type", f"{ck.config.model_type!r} has no causal-LM class in "
+                                   "transformers; expected a decoder-only causal LM (llama, qwen2, gpt2, ...)"))
+    try:
+        ck.tokenizer = load_tokenizer(uri, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        ck.problems.append(Problem(uri, f"{field_name} (tokenizer)", f"tokenizer does not load ({_first_line(e)}); "
+                                   "expected tokenizer files saved with the checkpoint"))
+    vocab = getattr(ck.config, "vocab_size", None)
+    if ck.tokenizer is not None and isinstance(vocab, int) and vocab < len(ck.tokenizer):
+        ck.problems.append(Problem(config_file, "vocab_size", f"{vocab} < {len(ck.tokenizer)} tokens of its "
+                                   "tokenizer; expected an embedding row for every token"))
+    return ck
+
+
+def tokenizer_problems(student, teacher, teacher_uri: str, field_name: str) -> list[Problem]:
+    """The teacher must score the student's exact tokens (:func:`tasks.tokenizer.compatibility_problems`)."""
+    from tasks.tokenizer import compatibility_problems
+
+    return [Problem(teacher_uri, f"{field_name} (tokenizer)", f"{p}; expected the student's tokenizer")
+            for p in compatibility_problems(student, teacher)]
+
+
+def architecture(config) -> dict[str, Any]:
+    return {k: getattr(config, k, None) for k in ARCH_FIELDS}
+
+
+def architecture_problems(rec, teacher_config, student: Checkpoint, student_fingerprint: Callable[[], str | None],
+                          field_name: str) -> list[Problem]:
+    """A teacher whose registry provenance says it was fine-tuned from the student's checkpoint must have its
+    architecture (see the module docstring); nothing to check otherwise."""
+    base = rec.provenance.base
+    if not base or teacher_config is None or student.config is None:
+        return []
+    if base.startswith("sha256:"):
+        from_student = base == student_fingerprint()
+    else:
+        from_student = _is_local(base) and _is_local(student.uri) and \
+            Path(base).expanduser().resolve() == Path(student.uri).expanduser().resolve()
+    if not from_student:
+        return []
+    mine, theirs = architecture(teacher_config), architecture(student.config)
+    diff = {k: (mine[k], theirs[k]) for k in ARCH_FIELDS if mine[k] != theirs[k]}
+    if not diff:
+        return []
+    shown = ", ".join(f"{k} {a!r} (base {b!r})" for k, (a, b) in diff.items())
+    return [Problem(str(Path(rec.model_uri) / "config.json") if _is_local(rec.model_uri) else rec.model_uri,
+                    f"{field_name} architecture",
+                    f"{shown}: its provenance.base {base} is the student's checkpoint {student.uri}, so it should be a "
+                    "fine-tune of it; expected the base's architecture (the checkpoint at model_uri was replaced or "
+                    "registered with the wrong provenance: re-register it)")]
+
+
+def leakage_problems(rec, eval_problems: list[str], current_world: str, field_name: str) -> list[Problem]:
+    """A teacher trained on another world of this project (``provenance.data``) must not have seen this world's eval
+    problems of its route."""
+    from tasks.data import load_prompts
+    from tasks.paths import world_dir
+
+    data = rec.provenance.data
+    if not data or not WORLD_NAME_RE.match(data) or data == current_world:
+        return []  # not a world folder name (so never opened as a path), or this very world
+    folder = world_dir() / data
+    if not (folder / "DONE").exists():
+        return []
+    train = load_prompts(folder)["train"]
+    seen = {p for r, p in zip(train["route"], train["problem"]) if r == rec.route}
+    leaked = sorted(seen & set(eval_problems))
+    if not leaked:
+        return []
+    return [Problem(str(folder / "prompts"), f"{field_name} provenance.data",
+                    f"the teacher trained on world {data}, whose train split holds {len(leaked)} of the "
+                    f"{len(set(eval_problems))} eval problems of route {rec.route} in this world {current_world} "
+                    f"(e.g. {leaked[:3]}); expected eval problems it never saw: build the merge's world with the "
+                    "specialists' world settings, or retrain them on this world")]
+
+
+def _fingerprint(uri: str) -> str | None:
+    from tasks.models import checkpoint_fingerprint
+
+    try:
+        return checkpoint_fingerprint(uri)
+    except OSError:
+        return None
+
+
+def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_problems: list[str] | None,
+                     current_world: str, student_fingerprint: Callable[[], str | None] | None = None) -> list[Problem]:
+    """Every check of one routed teacher against the student (``student_fingerprint``: computed on first need)."""
+    from tasks.tokenizer import tokenizer_fingerprint
+
+    name = f"teacher {rec.name!r}"
+    grant = f", or trust_remote_code: true granted in its registry entry ({registry_file})"
+    ck = check_checkpoint(rec.model_uri, f"{name}.model_uri", rec.trust_remote_code, grant)
+    problems = list(ck.problems)
+    if ck.tokenizer is not None:
+        if student.tokenizer is not None:
+            problems += tokenizer_problems(student.tokenizer, ck.tokenizer, rec.model_uri, f"{name}.model_uri")
+        fp = tokenizer_fingerprint(ck.tokenizer)
+        if fp != rec.tokenizer_fingerprint:
+            problems.append(Problem(registry_file, f"{name}.tokenizer_fingerprint", f"{rec.tokenizer_fingerprint} "
+                                    f"recorded, but the tokenizer at {rec.model_uri} is {fp}; expected the tokenizer "
+                                    "it was registered with (re-register the checkpoint)"))
+    problems += architecture_problems(rec, ck.config, student, student_fingerprint or cache(lambda: _fingerprint(
+        student.uri)), name)
+    if eval_problems is not None:
+        problems += leakage_problems(rec, eval_problems, current_world, name)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------- entry points
+
+
+def _finish(problems: list[Problem], report: Report, say_warnings: bool) -> Report:
+    if problems:
+        raise InputError(problems)
+    if say_warnings:
+        from tasks.log import say
+
+        for w in report.warnings:
+            say(f"warning: {w}")
+    return report
+
+
+def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
+    """Check everything the merge flow will read, before it loads a model: the config's URIs, the prompt sets, the
+    registry and routing, the student and every routed teacher. Raises :class:`InputError` listing every problem."""
+    from tasks.paths import models_dir
+
+    problems = credential_problems({"student_uri": cfg.student_uri})
+    splits, found = world_problems(cfg.world)
+    problems += found
+    current_world = f"v{WORLD_VERSION}-{cfg.world.config_hash()}"
+
+    registry, found = registry_problems(registry)
+    problems += found
+    router, warnings = None, []
+    if registry is not None:
+        router, warnings, found = routing_problems(registry, cfg.world.routes, cfg.teachers)
+        problems += found
+
+    student_uri = cfg.student_uri
+    if not student_uri:
+        marker = models_dir() / "LATEST_BASE"
+        student_uri = marker.read_text().strip() if marker.is_file() else ""
+        if not student_uri:
+            problems.append(Problem(str(marker), "student_uri", "empty, and no base model recorded here; expected a "
+                                    "checkpoint (--student_uri PATH) or a prior `python -m flows.base` run"))
+    student = Checkpoint(student_uri)
+    if student_uri and not any(p.field == "student_uri" for p in problems):  # not a URI carrying credentials
+        student = check_checkpoint(student_uri, "student_uri", grant=" (the student never runs custom code)")
+        problems += student.problems
+
+    report = Report(student_uri=student_uri, warnings=warnings)
+    if router is not None:
+        for route, rec in sorted(router.mapping.items()):
+            report.teachers[route] = rec.name
+        student_fp = cache(lambda: _fingerprint(student.uri))  # read once, and only if a provenance names it
+        for rec in router.teachers():
+            eval_problems = splits[rec.route][1] if rec.route in splits else None
+            problems += teacher_problems(rec, student, str(registry.path), eval_problems, current_world, student_fp)
+    return _finish(problems, report, say_warnings)
+
+
+def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
+    """Check what the pipeline reads before it trains anything: the prompt sets, the registry it will write the
+    specialists into (a bad file would only fail after every specialist trained) and the teacher names it will
+    give them. Raises :class:`InputError` listing every problem."""
+    from teachers.registry import check_name
+
+    _, problems = world_problems(cfg.world)
+    problems += registry_problems(registry)[1]
+    prefix = cfg.specialists("").name_prefix
+    for route in cfg.world.routes:
+        try:
+            check_name(f"{prefix}-{route}")
+        except ValueError as e:
+            problems.append(Problem(CONFIG, "name_prefix", str(e)))
+    return _finish(problems, Report(), say_warnings)
