@@ -271,6 +271,8 @@ class MergeLoop:
         try:
             log_metrics(self.run_id, metrics, step)
         except (MlflowException, RequestException, OSError) as e:
+            if getattr(e, "error_code", "") == "INVALID_PARAMETER_VALUE":
+                raise  # MLflow answered and refused what we sent: a bug to see as it is, not an outage to wait out
             raise TrackingUnavailable(
                 f"MLflow at {tracking_uri()} did not take the metrics of step {step} ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}). The merge stopped there; {self.describe_checkpoint()}: "
@@ -469,7 +471,7 @@ class MergeLoop:
         return m
 
     def _pass_at_k(self) -> dict[str, float]:
-        """``pass@k/<route>`` on the first ``pass_k_prompts`` held-out prompts, ``pass_k_samples`` samples each at
+        """``pass_at_<k>/<route>`` on the first ``pass_k_prompts`` held-out prompts, ``pass_k_samples`` samples each at
         the sampling temperature. Drawn from its own seeded RNG so that measuring it never changes training."""
         opd = self.opd
         if not opd.pass_k:
@@ -479,7 +481,7 @@ class MergeLoop:
             torch.manual_seed(opd.seed * 1_000_003 + self.step)
             for r in self.routes:
                 prompts, problems = (x[: opd.pass_k_prompts] for x in self.eval_sets[r])
-                out[f"pass@{opd.pass_k}/{r}"] = sampled_pass_at_k(
+                out[f"pass_at_{opd.pass_k}/{r}"] = sampled_pass_at_k(
                     self.student, self.tok, r, prompts, problems, self.caps[r], opd.pass_k, opd.pass_k_samples,
                     opd.sample_temperature)
         return out

@@ -37,12 +37,12 @@ def test_mlflow_holds_per_route_metrics_params_and_artifacts(quick_run):
     m = run.data.metrics
     for route in cfg.world.routes:
         for key in ("retention", "accuracy", "reverse_kl", "response_length", "entropy/student", "entropy/teacher",
-                    "entropy_gap", "teacher_nll", "rollout_length", "truncated", f"pass@{cfg.opd.pass_k}"):
+                    "entropy_gap", "teacher_nll", "rollout_length", "truncated", f"pass_at_{cfg.opd.pass_k}"):
             assert f"{key}/{route}" in m, f"{key}/{route}"
         assert m[f"entropy_gap/{route}"] == pytest.approx(m[f"entropy/student/{route}"] - m[f"entropy/teacher/{route}"])
         assert 0 <= m[f"topk_overlap/{route}"] <= 1 and 0 <= m[f"repetition/{route}"] < 1
         assert m[f"teacher_nll/{route}"] > 0 and m[f"rollout_length/{route}"] >= 1
-        assert 0 <= m[f"pass@{cfg.opd.pass_k}/{route}"] <= 1
+        assert 0 <= m[f"pass_at_{cfg.opd.pass_k}/{route}"] <= 1
     for name in result["teachers"]:
         assert m[f"teacher_cost/tokens/{name}"] > 0 and m[f"teacher_cost/seconds/{name}"] > 0
         history = client.get_metric_history(run.info.run_id, f"retention/{route}")
