@@ -257,6 +257,11 @@ class BatchProducer:
         model = self.student if self.rollout_model is None else self.rollout_model  # the engine copies the student
         return self.executor.submit(self._make, model, on_policy, version, drawn)
 
+    def wait(self) -> None:
+        """Block until the batch being made in the background is ready (it stays pending, to be taken by ``next``)."""
+        if self.pending is not None:
+            self.pending.exception()
+
     def _sync(self, version: int) -> None:
         if self.engine is not None:
             self.sync_seconds = self.engine.sync(self.student, version)
@@ -378,7 +383,9 @@ def update_step(
         seq_adv_B = sequence_advantages(batch.rewards_B, routes, reward_weight)
     loss = student_hidden_b_T_H.new_zeros(())
     stats = StepStats(loss=0.0, tokens=total_tokens)
-    for name, (rows, hidden_b_T_H, teacher_head) in teacher_hidden.items():
+    # In teacher-name order, whatever order they scored in (the pool loads resident ones first): the loss sums the
+    # same way every run, so a resumed merge stays bit-identical.
+    for name, (rows, hidden_b_T_H, teacher_head) in sorted(teacher_hidden.items()):
         by_objective: dict[Objective, list[int]] = {}
         for j, row in enumerate(rows):
             by_objective.setdefault(objectives[routes[row]], []).append(j)

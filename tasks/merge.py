@@ -369,6 +369,8 @@ class MergeLoop:
                     if opd.overlap_generation or self.engine is not None:
                         m["time/sync"] = producer.sync_seconds
                 if self.step % opd.eval_every == 0:
+                    # pass@k samples: let the overlapped rollout finish first, as torch's generator is shared by threads
+                    producer.wait()
                     m.update(self._eval_metrics())
                 self.log({k: v for k, v in m.items() if v == v and abs(v) != float("inf")}, self.step)
                 bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
@@ -462,8 +464,8 @@ class MergeLoop:
     def _eval_metrics(self) -> dict[str, float]:
         self.scores = self.evaluate(self.student)
         m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc), **self._pass_at_k(),
-             **{f"teacher_cost/{key}/{name}": v for name, (tokens, seconds) in self.teacher_costs.items()
-                for key, v in (("tokens", tokens), ("seconds", seconds))}}
+             **{f"teacher_tokens/{name}": tokens for name, (tokens, _) in self.teacher_costs.items()},
+             **{f"time/teacher_total/{name}": seconds for name, (_, seconds) in self.teacher_costs.items()}}
         self.say(f"step {self.step}: mean retention {m['retention/mean']:.3f}, "
                  + ", ".join(f"{r} {m[f'retention/{r}']:.2f}" for r in self.routes))
         self.progress.update(100.0 * self.step / max(self.planned, self.step),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -38,10 +39,16 @@ class TeacherPool(Mapping):
         self.resident: OrderedDict[str, PreTrainedModel] = OrderedDict()
         self.loads = 0
         self.evictions = 0
+        # The overlapped rollout thread (teacher samples) and the main thread (scoring) may both ask for teachers.
+        self._lock = threading.RLock()
 
     def __getitem__(self, name: str) -> PreTrainedModel:
         if name not in self.names:
             raise KeyError(f"no teacher {name!r} in this merge; teachers: {self.names}")
+        with self._lock:
+            return self._get(name)
+
+    def _get(self, name: str) -> PreTrainedModel:
         if name in self.resident:
             self.resident.move_to_end(name)
             return self.resident[name]

@@ -2,7 +2,7 @@
 
 A route is ``<domain>-<budget>``. The budget is part of the prompt (a tag token), so one student must learn to
 answer directly (``low``), write a short scratchpad before the answer (``high``), or write a step-by-step trace of
-at least 40 characters (``long``) in which each step carries state from the previous one and the answer is read off
+at least 40 characters (``long``) in which each step is computed from the one before, so that the answer depends on
 every step. A completion is ``[scratchpad SEP] answer EOS``; verifiers look only at the text after the last separator.
 
 Everything here is pure Python: no torch, no I/O.

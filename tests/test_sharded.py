@@ -96,14 +96,16 @@ def test_update_step_on_two_gloo_ranks_equals_one_process():
 
 @pytest.fixture(scope="module")
 def merged_twice(short_pipeline):
-    """The short quick-profile pipeline (its merge runs on 1 process, tests/conftest.py), then the same merge with the
-    student update on 2 gloo processes."""
+    """From the short quick-profile pipeline's base and teachers (tests/conftest.py), the same merge twice, back to
+    back: the student update on 1 process, then on 2 gloo processes. (Not the pipeline's own merge: other tests of the
+    session may re-register a teacher between the two, and both runs must see the same registry.)"""
     from flows.merge import merge
 
-    cfg, one = short_pipeline  # the two merges only need the same inputs
-    mcfg = cfg.merge(one["base_uri"], one["teachers"])
+    cfg, pipe = short_pipeline
+    mcfg = cfg.merge(pipe["base_uri"], pipe["teachers"])
+    one = merge(mcfg.model_copy(update={"opd": mcfg.opd.model_copy(update={"resume": False})}))
     two = merge(mcfg.model_copy(update={"opd": mcfg.opd.model_copy(update={"nproc": 2})}))
-    return cfg, one, two
+    return cfg, {**one, "base_uri": pipe["base_uri"]}, two
 
 
 @pytest.mark.e2e
