@@ -13,6 +13,9 @@ Run (a quick merge with the student update on 2 processes):
 
 from __future__ import annotations
 
+import os
+import sys
+
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,6 +79,12 @@ def _spawned_rank(i: int, fn: Callable, args: tuple, nproc: int, backend: str, p
         fn(*args)
     finally:
         dist.destroy_process_group()
+    # Seen on this machine: the store's client thread can abort interpreter teardown ("terminate called without an
+    # active exception", SIGABRT) after the work is done. The rank has finished, so it leaves without running C++
+    # static destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _raise_failed_rank(ranks: mp.ProcessContext, grace_s: float, cause: BaseException) -> None:
