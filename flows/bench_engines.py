@@ -16,24 +16,20 @@ The table goes to stdout and to MLflow (experiment ``opd-bench``, run ``bench-en
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 from pydantic import Field
 
-from tasks.config import WorldConfig, _Config
+from tasks.bench import median_seconds, publish, world_batch
+from tasks.config import _Config
 from tasks.engines import ALL_VOCAB, EngineTeacher, VLLMRollout, served_scores
 from tasks.log import say
 from tasks.models import create_model, num_parameters, save_model
 from tasks.rollout import generate, token_logprobs
-from tasks.table import format_table
 from tasks.tokenizer import build_char_tokenizer
-from tasks.tracking import end_run, log_metrics, log_table, start_run
-from tasks.world import format_prompt, sample_problems
 
 
 class BenchEnginesConfig(_Config):
@@ -50,43 +46,31 @@ class BenchEnginesConfig(_Config):
     experiment: str = Field("opd-bench", description="MLflow experiment.")
 
 
-def _median_seconds(fn, repeats: int) -> tuple[float, object]:
-    out = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+HEADERS = ["path", "hf", "vllm", "vllm/hf", "unit"]
 
 
-def bench_engines(cfg: BenchEnginesConfig) -> list[dict]:
+def bench_engines(cfg: BenchEnginesConfig) -> list[list]:
     torch.set_num_threads(cfg.threads)
     tok = build_char_tokenizer()
     model = create_model(tok, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                          intermediate_size=4 * cfg.hidden_size, seed=cfg.seed).eval()
-    rng = random.Random(cfg.seed)
-    routes = WorldConfig().route_objs()
-    prompts = []
-    for i in range(cfg.batch):
-        route = routes[i % len(routes)]
-        prompts.append(format_prompt(route, sample_problems(route, 1, rng.randrange(10**6), 3, 6)[0]))
+    prompts, _, _ = world_batch(cfg.batch, cfg.seed)
     tmp = tempfile.mkdtemp(prefix="bench-engines-")
     path = str(save_model(model, tok, tmp))
     say(f"model: {num_parameters(model) / 1e6:.2f}M parameters; batch {cfg.batch}, up to {cfg.max_new_tokens} new tokens")
 
     engine = VLLMRollout(path, tok, seed=cfg.seed)
     caps = [cfg.max_new_tokens] * cfg.batch
-    t_hf, hf_roll = _median_seconds(lambda: generate(model, tok, prompts, cfg.max_new_tokens), cfg.repeats)
-    t_vl, (vl_roll, _) = _median_seconds(lambda: engine.generate(prompts, caps), cfg.repeats)
+    t_hf, hf_roll = median_seconds(lambda: generate(model, tok, prompts, cfg.max_new_tokens), cfg.repeats)
+    t_vl, (vl_roll, _) = median_seconds(lambda: engine.generate(prompts, caps), cfg.repeats)
     hf_tokens, vl_tokens = int(hf_roll.response_lengths_B.sum()), int(vl_roll.response_lengths_B.sum())
 
     teacher = EngineTeacher("bench", path)
     real_tokens = int(vl_roll.attention_mask_B_T.sum())
     rows_all = list(range(cfg.batch))
-    t_hf_score, _ = _median_seconds(lambda: token_logprobs(model, vl_roll, (1.0,)), cfg.repeats)
-    t_k1, _ = _median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, 1, len(tok)), cfg.repeats)
-    t_kv, _ = _median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, ALL_VOCAB, len(tok)), cfg.repeats)
+    t_hf_score, _ = median_seconds(lambda: token_logprobs(model, vl_roll, (1.0,)), cfg.repeats)
+    t_k1, _ = median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, 1, len(tok)), cfg.repeats)
+    t_kv, _ = median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, ALL_VOCAB, len(tok)), cfg.repeats)
 
     syncs = [engine.sync(model, v) for v in range(1, 11)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -97,30 +81,22 @@ def bench_engines(cfg: BenchEnginesConfig) -> list[dict]:
         opt.step()
         opt.zero_grad()
 
-    t_update, _ = _median_seconds(update, cfg.repeats)
+    t_update, _ = median_seconds(update, cfg.repeats)
     t_sync = statistics.median(syncs)
 
-    rows = [
-        {"path": "rollout", "hf": hf_tokens / t_hf, "vllm": vl_tokens / t_vl, "unit": "tokens/s"},
-        {"path": "scoring k=1", "hf": real_tokens / t_hf_score, "vllm": real_tokens / t_k1, "unit": "tokens/s"},
-        {"path": "scoring full vocab", "hf": real_tokens / t_hf_score, "vllm": real_tokens / t_kv, "unit": "tokens/s"},
-    ]
-    for r in rows:
-        r["vllm/hf"] = r["vllm"] / r["hf"]
-    print(format_table(["path", "hf", "vllm", "vllm/hf", "unit"],
-                       [[r["path"], round(r["hf"]), round(r["vllm"]), r["vllm/hf"], r["unit"]] for r in rows]))
-    print(f"weight sync into the live engine: {1e3 * t_sync:.1f} ms (median of 10); one student update on this "
-          f"batch: {1e3 * t_update:.0f} ms -> sync/update {t_sync / t_update:.3f}")
-    run_id = start_run(cfg.experiment, f"bench-engines-h{cfg.hidden_size}-l{cfg.num_layers}", cfg.model_dump(), {})
-    log_metrics(run_id, {"rollout/vllm_over_hf": rows[0]["vllm/hf"], "scoring_k1/vllm_over_hf": rows[1]["vllm/hf"],
-                         "scoring_full/vllm_over_hf": rows[2]["vllm/hf"], "sync_ms": 1e3 * t_sync,
-                         "update_ms": 1e3 * t_update}, 0)
-    log_table(run_id, rows, "engines.json")
-    end_run(run_id)
+    rates = [("rollout", hf_tokens / t_hf, vl_tokens / t_vl),
+             ("scoring k=1", real_tokens / t_hf_score, real_tokens / t_k1),
+             ("scoring full vocab", real_tokens / t_hf_score, real_tokens / t_kv)]
+    rows = [[path, round(hf), round(vl), vl / hf, "tokens/s"] for path, hf, vl in rates]
+    sync = (f"weight sync into the live engine: {1e3 * t_sync:.1f} ms (median of 10); one student update on this "
+            f"batch: {1e3 * t_update:.0f} ms -> sync/update {t_sync / t_update:.3f}")
+    publish(cfg, f"bench-engines-h{cfg.hidden_size}-l{cfg.num_layers}", HEADERS, rows, [sync],
+            {"rollout/vllm_over_hf": rows[0][3], "scoring_k1/vllm_over_hf": rows[1][3],
+             "scoring_full/vllm_over_hf": rows[2][3], "sync_ms": 1e3 * t_sync, "update_ms": 1e3 * t_update}, "engines")
     return rows
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[list]:
     from tasks.cli import parse_config
 
     return bench_engines(parse_config(argv, BenchEnginesConfig, __doc__))

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import resource
 import sys
 import tempfile
 
 import torch
 from pydantic import Field
 
+from tasks.bench import peak_rss_mb
 from tasks.config import _Config
 from tasks.losses import LossName, Objective, chunked_objective, token_divergence
 from tasks.table import format_table
@@ -51,10 +51,6 @@ def _inputs(cfg: BenchMemoryConfig):
     return hs_B_T_H, ht_B_T_H, student_head, teacher_head, mask_B_T
 
 
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def _run(cfg_json: str, path: str, out_file: str) -> None:
     """One path, forward + backward, in this (fresh) process; writes the loss, the gradients of the student's hidden
     states and head, and the peak MB over the inputs to ``out_file``."""
@@ -62,7 +58,7 @@ def _run(cfg_json: str, path: str, out_file: str) -> None:
     cfg = BenchMemoryConfig.model_validate_json(cfg_json)
     hs_B_T_H, ht_B_T_H, student_head, teacher_head, mask_B_T = _inputs(cfg)
     obj = Objective(loss=cfg.loss)
-    base = _peak_mb()
+    base = peak_rss_mb()
     if path == "naive":
         zs_B_T_V = student_head(hs_B_T_H)
         with torch.no_grad():
@@ -73,7 +69,7 @@ def _run(cfg_json: str, path: str, out_file: str) -> None:
         loss = chunked_objective(hs_B_T_H, ht_B_T_H, student_head, teacher_head, mask_B_T, obj,
                                  chunk_size=cfg.chunk_size).loss
     loss.backward()
-    peak = _peak_mb() - base
+    peak = peak_rss_mb() - base
     torch.save({"loss": loss.detach(), "grad_h": hs_B_T_H.grad, "grad_w": student_head.weight.grad,
                 "peak_mb": torch.tensor(peak)}, out_file)
 

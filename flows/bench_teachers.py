@@ -17,7 +17,6 @@ Run:  python -m flows.bench_teachers                                    # 2, 6, 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -30,6 +29,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import Field, field_validator
 
 from flows.names import from_parameters, stamp
+from tasks.bench import peak_rss_mb
 from tasks.config import MergeConfig, ModelConfig, OPDConfig, WorldConfig, _Config
 from tasks.data import build_world
 from tasks.log import say
@@ -113,10 +113,6 @@ def prepare_bench(cfg: BenchTeachersConfig) -> dict[str, Any]:
             **json.loads((root / "sizes.json").read_text())}
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def run_case(cfg: BenchTeachersConfig, setup: dict[str, Any], n_teachers: int, max_resident: int) -> dict[str, Any]:
     """One merge in the calling process over the first ``n_teachers`` routes, at most ``max_resident`` teachers
     loaded (0 = all): one warm-up step, then ``cfg.steps`` timed on-policy steps of the real merge loop. Returns
@@ -140,7 +136,7 @@ def run_case(cfg: BenchTeachersConfig, setup: dict[str, Any], n_teachers: int, m
         raise
     end_run(run_id)
     teacher = [m.value for m in MlflowClient(tracking_uri()).get_metric_history(run_id, "time/teacher") if m.step > 1]
-    return {"teachers": n_teachers, "max_resident": max_resident, "peak_rss_mb": _peak_rss_mb(),
+    return {"teachers": n_teachers, "max_resident": max_resident, "peak_rss_mb": peak_rss_mb(),
             "step_s": seconds / cfg.steps, "teacher_s": sum(teacher) / max(len(teacher), 1),
             "loads_per_step": (loop.teachers.loads - loads) / cfg.steps, "loads": loop.teachers.loads,
             "evictions": loop.teachers.evictions, "run_id": run_id}

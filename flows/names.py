@@ -28,7 +28,8 @@ def pipeline_name(cfg) -> str:
 
 
 def specialists_name(cfg) -> str:
-    return f"specialists-{len(cfg.world.routes)}routes-{cfg.train.steps}steps-{stamp()}"
+    steps = cfg.rl.steps if cfg.trainer == "rl" else cfg.train.steps
+    return f"specialists-{cfg.trainer}-{len(cfg.world.routes)}routes-{steps}steps-{stamp()}"
 
 
 def from_parameters(config_cls: type[C], build: Callable[[C], str], param: str = "cfg") -> Callable[[], str]:

@@ -21,7 +21,7 @@ from flows.merge import merge
 from flows.names import current_run_name, from_parameters, stamp
 from flows.specialists import train_specialists
 from tasks.compare import grouped_bars
-from tasks.config import PipelineConfig, _deep_merge, pipeline_config
+from tasks.config import PipelineConfig, _deep_merge, known_names, pipeline_config
 from tasks.log import say
 from tasks.table import format_table
 from tasks.tracking import config_params, end_run, log_figure, log_table, start_run, tracking_uri
@@ -54,10 +54,7 @@ class ObjectivesConfig(PipelineConfig):
     @field_validator("variants")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        unknown = [x for x in v if x not in VARIANTS]
-        if unknown or not v:
-            raise ValueError(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-        return v
+        return known_names(v, VARIANTS, "variants")
 
 
 def objectives_config(profile: str = "default", **overrides: Any) -> ObjectivesConfig:
@@ -104,9 +101,7 @@ def compare_objectives(cfg: ObjectivesConfig = ObjectivesConfig()) -> dict:
     results, minutes = {}, {}
     for i, name in enumerate(cfg.variants, 1):
         say(f"[{i}/{len(cfg.variants)}] merge variant {name}: {VARIANTS[name] or 'defaults'}")
-        mcfg = cfg.merge(base["uri"], teachers).model_copy(
-            update={"opd": cfg.opd.model_validate({**cfg.opd.model_dump(), **VARIANTS[name]}), "label": name}
-        )
+        mcfg = cfg.merge(base["uri"], teachers, VARIANTS[name], name)
         t0 = time.perf_counter()
         results[name] = merge(mcfg)
         minutes[name] = (time.perf_counter() - t0) / 60

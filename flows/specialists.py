@@ -1,9 +1,12 @@
 """Flow `train specialists`: one fine-tune of the base per route (fanned out on Prefect's task runner), each
-evaluated on its route's held-out prompts and registered as a teacher. Cached: a rerun skips finished specialists.
+evaluated on its route's held-out prompts and registered as a teacher. ``--trainer sft`` (default) fine-tunes on the
+gold completions (``--train.*``); ``--trainer rl`` runs GRPO from the base with the route's verifier as the reward
+(``--rl.*``), an RLVR teacher. Cached: a rerun skips finished specialists.
 A specialist that fails (after its --retries) does not stop the others: they are registered and cached, the flow then
 fails naming it, and the same command again trains only what is missing.
 
 Run:  python -m flows.specialists [--profile quick] [--base_uri PATH] [--train.steps 600] [--workers 2] ...
+      python -m flows.specialists --profile quick --trainer rl [--rl.steps 60] [--name_prefix rlspec] ...
 """
 
 from __future__ import annotations
@@ -59,11 +62,12 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
     # Create the tracking store and experiment here, once: worker processes (Ray) racing to create a fresh sqlite
     # store's tables fail.
     setup_mlflow(SPECIALISTS_EXPERIMENT)
+    recipe = cfg.rl if cfg.trainer == "rl" else cfg.train
     train = train_specialist.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_seconds)
     with task_runner(cfg) as runner:
         futures = [
             runner.submit(train, parameters=dict(
-                world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=cfg.train))
+                world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=recipe))
             for r in cfg.world.routes
         ]
         results = [f.result(raise_on_failure=False) for f in futures]
@@ -79,8 +83,8 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
         name = f"{cfg.name_prefix}-{route}"
         record = registry.register_checkpoint(
             name, route, res["uri"], Path(world_path) / "tokenizer", eval_score=res["accuracy"], replace=True,
-            provenance=Provenance(base=base_fp, data=Path(world_path).name, config_hash=cfg.train.config_hash(),
-                                  source="train-specialists"),
+            provenance=Provenance(base=base_fp, data=Path(world_path).name, config_hash=recipe.config_hash(),
+                                  source="train-specialists-rl" if cfg.trainer == "rl" else "train-specialists"),
         )
         version = publish_teacher(record, res["mlflow_run_id"])
         names.append(name)

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from flows.bench_teachers import BenchTeachersConfig  # noqa: E402
+from flows.benchmark import benchmark_config  # noqa: E402
 from flows.compare import CompareConfig  # noqa: E402
 from flows.evaluate import EvaluateConfig  # noqa: E402
 from flows.objectives import objectives_config  # noqa: E402
@@ -60,6 +61,9 @@ def deployments() -> list[dict[str, Any]]:
          "Retention per route across the newest merges, with the config fields that differ (table + chart)."),
         ("compare-objectives", "quick", "flows/objectives.py:compare_objectives", _cfg(objectives_config("quick")),
          "One merge per objective of the menu from the same base and teachers; one retention table."),
+        ("benchmark", "quick", "flows/benchmark.py:benchmark", _cfg(benchmark_config("quick")),
+         "OPD against SFT, token KD, GRPO (Mix-RL), weight merging and ExOPD from one base: the cost of each to a "
+         "retention target, short and long routes apart, with retention curves (~1 h on 2 cores)."),
         ("bench-teachers", "default", "flows/bench_teachers.py:bench_teachers", _cfg(BenchTeachersConfig()),
          "Peak memory and step time of merges with 2, 6 and 12 (untrained) teachers, each in its own process."),
     ]

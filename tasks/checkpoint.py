@@ -234,7 +234,8 @@ def batch_state(batch: Batch | None) -> dict | None:
         return None
     return {"rollout": vars(batch.rollout), "routes": batch.routes, "problems": batch.problems,
             "on_policy": batch.on_policy, "version": batch.version, "rewards_B": batch.rewards_B,
-            "tokens": None if batch.tokens is None else vars(batch.tokens), "generated": batch.generated}
+            "tokens": None if batch.tokens is None else vars(batch.tokens), "generated": batch.generated,
+            "generated_tokens": batch.generated_tokens}
 
 
 def batch_from_state(state: dict | None) -> Batch | None:
@@ -242,4 +243,4 @@ def batch_from_state(state: dict | None) -> Batch | None:
         return None
     tokens = None if state["tokens"] is None else TokenInputs(**state["tokens"])
     return Batch(Rollout(**state["rollout"]), state["routes"], state["problems"], state["on_policy"], state["version"],
-                 state["rewards_B"], tokens, state["generated"])
+                 state["rewards_B"], tokens, state["generated"], state.get("generated_tokens", 0))

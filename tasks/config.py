@@ -131,6 +131,28 @@ class TrainConfig(_Config):
     seed: int = Field(0, ge=0, description="Seed for init, batch order and dropout.")
 
 
+class RLConfig(_Config):
+    """Outcome-reward RL (GRPO, tasks/rl.py): a group of samples per prompt, the route's verifier as the reward,
+    group-normalised advantages, a clipped policy-gradient step."""
+
+    steps: int = Field(200, ge=1, le=1_000_000, description="Optimizer steps (one rollout batch each).")
+    prompts_per_step: int = Field(
+        32, ge=1, le=4096, description="Prompts per step (prompts_per_step * group_size samples). Small batches make "
+        "the sparse reward noisy: on the quick world 8 prompts at lr 5e-4 lowered accuracy where 32 at 2e-4 raised it."
+    )
+    group_size: int = Field(8, ge=2, le=256, description="Samples per prompt; advantages are normalised within a group.")
+    lr: float = Field(2e-4, gt=0, le=1.0, description="AdamW peak learning rate (warmup, cosine decay).")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    temperature: float = Field(1.0, gt=0, le=10.0, description="Sampling temperature of the rollouts.")
+    clip_eps: float = Field(0.2, gt=0, le=1.0, description="PPO clip of the importance ratio.")
+    normalize_std: bool = Field(True, description="Divide advantages by the group's std (false = Dr. GRPO).")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=4096, description="Rollout length cap; default: longest gold completion + 2 tokens."
+    )
+    eval_every: int = Field(50, ge=1, description="Evaluate every N steps (and at the start and the end).")
+    seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
+
+
 class OPDConfig(_Config):
     """The merge: optional off-policy cold start, then on-policy distillation with one objective per route.
 
@@ -205,6 +227,14 @@ class OPDConfig(_Config):
     parity_tol: float = Field(
         1e-3, gt=0, le=10.0, description="Preflight: max |log p| gap allowed between a vLLM engine and transformers."
     )
+    reward_scale: float = Field(
+        1.0, ge=0, le=10.0, description="ExOPD reward extrapolation: the target is p_ref * (p_teacher / p_ref) ** "
+        "scale (1 = the teacher; > 1 pushes past it, away from the reference model)."
+    )
+    reference_uri: str = Field(
+        "", description="ExOPD reference model (local path or hub id) when reward_scale != 1; empty = the student's "
+        "initialisation."
+    )
     eval_every: int = Field(100, ge=1, description="Evaluate every N steps (and at the start and the end).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
@@ -241,7 +271,8 @@ class OPDConfig(_Config):
         if self.batch_size < self.nproc:
             raise ValueError(f"opd.batch_size {self.batch_size} < opd.nproc {self.nproc}: every process needs a row")
         unsupported = {"overlap_generation": self.overlap_generation, "rollout_backend 'vllm'":
-                       self.rollout_backend == "vllm", "teacher_backend 'vllm'": self.teacher_backend == "vllm"}
+                       self.rollout_backend == "vllm", "teacher_backend 'vllm'": self.teacher_backend == "vllm",
+                       "reward_scale != 1": self.reward_scale != 1.0}
         for name, on in unsupported.items():
             if on:
                 raise ValueError(f"opd.nproc > 1 (a sharded student) does not support opd.{name}: set opd.nproc 1")
@@ -274,6 +305,14 @@ class OPDConfig(_Config):
                 "rollout_backend 'vllm' with overlap_generation needs sample_temperature == divergence_temperature: "
                 "the old policy's log-probs then come from the engine itself"
             )
+        if self.reward_scale != 1.0 and self.teacher_backend == "vllm":
+            raise ValueError("opd.reward_scale != 1 (ExOPD) needs the teachers' logits: use opd.teacher_backend 'hf'")
+        for route, name in {None: self.loss, **self.route_loss}.items():
+            if name == "sft" and self.lmbda > 0:
+                raise ValueError(
+                    f"loss 'sft' (route {route or 'all'}) learns the tokens of off-policy completions: set lmbda = 0 "
+                    f"(or use it as cold_start_loss), not {self.lmbda}"
+                )
         self.cold_start_objective()
         if self.cold_start_loss == "sampled_token":
             raise ValueError("cold_start_loss cannot be 'sampled_token': the cold start learns from off-policy data")
@@ -322,6 +361,11 @@ class SpecialistsConfig(_Config):
     )
     ray_address: str = Field("", description="runner ray: address of an existing Ray cluster; empty = start a local one.")
     name_prefix: str = Field("spec", pattern=r"^[a-z0-9][a-z0-9_-]*$", description="Teacher names are PREFIX-ROUTE (e.g. spec-rev-high).")
+    trainer: Literal["sft", "rl"] = Field(
+        "sft", description="sft: fine-tune on the route's gold completions (train.*); rl: GRPO with the route's "
+        "verifier from the base (rl.*), an RLVR teacher."
+    )
+    rl: RLConfig = Field(default_factory=RLConfig)
     retries: int = Field(
         0, ge=0, le=20, description="Prefect retries of each specialist's training task after a transient failure "
         "(OSError, MLflow unreachable); finished specialists are cached either way."
@@ -362,6 +406,10 @@ class PipelineConfig(_Config):
     model: ModelConfig = Field(default_factory=ModelConfig)
     base_train: TrainConfig = Field(default_factory=lambda: PretrainConfig().train)
     specialist_train: TrainConfig = Field(default_factory=lambda: SpecialistsConfig().train)
+    specialist_trainer: Literal["sft", "rl"] = Field(
+        "sft", description="How specialists are trained: sft on gold completions, or rl (GRPO with the verifier)."
+    )
+    specialist_rl: RLConfig = Field(default_factory=RLConfig, description="GRPO settings of rl specialists.")
     min_accuracy: float = Field(0.9, ge=0, le=1, description="Specialists below this eval accuracy fail the flow.")
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
     opd: OPDConfig = Field(default_factory=OPDConfig)
@@ -383,14 +431,18 @@ class PipelineConfig(_Config):
 
     def specialists(self, base_uri: str) -> SpecialistsConfig:
         return SpecialistsConfig(
-            world=self.world, base_uri=base_uri, train=self.specialist_train,
+            world=self.world, base_uri=base_uri, train=self.specialist_train, trainer=self.specialist_trainer,
+            rl=self.specialist_rl,
             min_accuracy=self.min_accuracy, workers=self.workers, retries=self.retries,
             retry_delay_seconds=self.retry_delay_seconds,
         )
 
-    def merge(self, student_uri: str, teachers: list[str]) -> MergeConfig:
+    def merge(self, student_uri: str, teachers: list[str], opd: dict[str, Any] | None = None,
+              label: str = "") -> MergeConfig:
+        """The merge of this pipeline; ``opd`` overrides some of its ``opd`` fields (a variant named ``label``)."""
         return MergeConfig(
-            world=self.world, student_uri=student_uri, teachers=teachers, opd=self.opd, experiment=self.experiment,
+            world=self.world, student_uri=student_uri, teachers=teachers, experiment=self.experiment,
+            opd=self.opd.model_validate({**self.opd.model_dump(), **(opd or {})}), label=label,
             retries=self.retries, retry_delay_seconds=self.retry_delay_seconds,
         )
 
@@ -409,6 +461,14 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "specialist_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
     "opd": {"steps": 500, "eval_every": 100, "batch_size": 48, "lr": 5e-4, "warmup_steps": 30},
 }
+
+
+def known_names(names: list[str], known, what: str) -> list[str]:
+    """A non-empty list of names that are all in ``known`` (a validator's check), else ValueError listing both."""
+    unknown = [x for x in names if x not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown {what} {unknown}; known: {list(known)}")
+    return names
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

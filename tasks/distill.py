@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.engines import ServedTeacher, VLLMRollout, rollout_with_logprobs, served_scores
 from tasks.faults import fault
-from tasks.losses import DIAGNOSTICS, Objective, TokenInputs, chunked_objective
+from tasks.losses import DIAGNOSTICS, ExtrapolatedHead, Objective, TokenInputs, chunked_objective
 from tasks.rollout import (
     Rollout,
     cap_responses,
@@ -49,6 +49,7 @@ class Batch:
     rewards_B: torch.Tensor
     tokens: TokenInputs | None = None
     generated: int = 0  # sequences generated for this batch (teacher-sample cache misses count too)
+    generated_tokens: int = 0  # response tokens those sequences hold (what their generation cost)
 
 
 @dataclass
@@ -120,7 +121,8 @@ def sample_batch(
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
     fault("generate")  # test-only (tasks/faults.py): a kill here loses a batch sampled but not yet learned from
     rewards_B = verifier_rewards(tok, rollout, routes, problems)
-    return Batch(rollout, routes, problems, True, version, rewards_B, tokens, len(prompts))
+    return Batch(rollout, routes, problems, True, version, rewards_B, tokens, len(prompts),
+                 int(rollout.response_lengths_B.sum()))
 
 
 class OffPolicyData:
@@ -146,7 +148,7 @@ class OffPolicyData:
         self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
 
     def batch(self, prompts: list[str], routes: list[str], problems: list[str], caps_B: list[int]) -> Batch:
-        generated = 0
+        generated = generated_tokens = 0
         if self.source == "dataset":
             missing = [p for p in prompts if p not in self.gold]
             if missing:
@@ -154,15 +156,17 @@ class OffPolicyData:
             ids = self.tok([self.gold[p] for p in prompts], add_special_tokens=False)["input_ids"]
             responses = [x + [self.tok.eos_token_id] for x in ids]
         else:
-            generated = self._fill(prompts, routes, caps_B)
+            generated, generated_tokens = self._fill(prompts, routes, caps_B)
             responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
         rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses), caps_B, self.tok.eos_token_id)
         rewards_B = verifier_rewards(self.tok, rollout, routes, problems)
-        return Batch(rollout, routes, problems, False, -1, rewards_B, None, generated)
+        return Batch(rollout, routes, problems, False, -1, rewards_B, None, generated, generated_tokens)
 
-    def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int]) -> int:
-        """Sample the missing (teacher, prompt) completions, one generate call per teacher. Returns how many."""
+    def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int]) -> tuple[int, int]:
+        """Sample the missing (teacher, prompt) completions, one generate call per teacher. Returns how many, and
+        their response tokens."""
         todo: dict[str, dict[str, int]] = {}
+        tokens = 0
         for p, r, cap in zip(prompts, routes, caps_B):
             name = self.teacher_of[r]
             if p not in self.cache[name]:
@@ -172,7 +176,8 @@ class OffPolicyData:
             ro = generate(self.teachers[name], self.tok, plist, max(caps.values()), temperature=self.sample_temperature)
             ro = cap_responses(ro, [caps[p] for p in plist], self.tok.eos_token_id)
             self.cache[name].update(zip(plist, response_ids(ro)))
-        return sum(len(c) for c in todo.values())
+            tokens += int(ro.response_lengths_B.sum())
+        return sum(len(c) for c in todo.values()), tokens
 
 
 class PromptSampler:
@@ -332,6 +337,31 @@ def score_with_teachers(
             cost = costs.setdefault(name, [0.0, 0.0])
             cost[0] += float(rollout.attention_mask_B_T[torch.tensor(rows)].sum())
             cost[1] += time.perf_counter() - t0
+    return out
+
+
+def extrapolate_scores(
+    scores: TeacherScores,
+    reference: PreTrainedModel,
+    rollout: Rollout,
+    scale: float,
+    costs: dict[str, list[float]] | None = None,
+) -> TeacherScores:
+    """Reward extrapolation (ExOPD): each teacher's scores become those of the target ``p_ref * (p_T / p_ref) **
+    scale`` (:class:`tasks.losses.ExtrapolatedHead`), with the reference model's hidden states on the same sequences
+    appended to the teacher's (one reference forward over the whole batch). ``costs["reference"]`` accounts it."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ref_B_T_H = forward_hidden(reference, rollout.sequences_B_T, rollout.attention_mask_B_T)
+    ref_head = reference.get_output_embeddings()
+    out = {}
+    for name, (rows, hidden_b_T_Ht, head) in scores.items():
+        out[name] = (rows, torch.cat([hidden_b_T_Ht, ref_B_T_H[torch.tensor(rows)]], dim=-1),
+                     ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale))
+    if costs is not None:
+        cost = costs.setdefault("reference", [0.0, 0.0])
+        cost[0] += float(rollout.attention_mask_B_T.sum())
+        cost[1] += time.perf_counter() - t0
     return out
 
 

@@ -25,6 +25,9 @@ Divergences over C categories with ``a``, ``b`` normalised (``KL(a || b) = sum_c
 ``skew_reverse_kl`` KL(q || alpha q + (1 - alpha) p) (DistiLLM's SRKL; alpha = 0 is reverse KL)
 ``sampled_token``   policy gradient with per-token advantage ``a_t = sg(log p(x_t) - log q_old(x_t))`` at the
                     sampled token only: one teacher number per token (see :func:`policy_gradient_loss`)
+``sft``             ``-log q(x_t)`` of the sequence's own token: cross-entropy on the completion (SFT on teacher
+                    samples or gold text; off-policy data only). The teacher is not in the loss, only in the
+                    diagnostics
 =================== ========================================================================================
 
 Top-k (``top_k > 0``): the divergence over the teacher's (or student's) k most likely tokens, with ``top_k_support``
@@ -49,7 +52,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 Head = Callable[[torch.Tensor], torch.Tensor]
-LossName = Literal["reverse_kl", "forward_kl", "jsd", "skew_kl", "skew_reverse_kl", "sampled_token"]
+LossName = Literal["reverse_kl", "forward_kl", "jsd", "skew_kl", "skew_reverse_kl", "sampled_token", "sft"]
 TopKSource = Literal["teacher", "student"]
 TopKSupport = Literal["tail", "renormalize", "truncate"]
 Correction = Literal["clip", "truncate", "none"]
@@ -85,8 +88,8 @@ class Objective:
             raise ValueError(f"top_k must be >= 0 (0 = full vocabulary), got {self.top_k}")
         if self.top_k_stop_grad and self.loss != "reverse_kl":
             raise ValueError(f"top_k_stop_grad applies to reverse_kl only, not {self.loss!r}")
-        if self.top_k and self.loss == "sampled_token":
-            raise ValueError("top_k does not apply to the sampled_token loss (it uses one log-prob per token)")
+        if self.top_k and self.loss in ("sampled_token", "sft"):
+            raise ValueError(f"top_k does not apply to the {self.loss} loss (it uses one log-prob per token)")
         for name in ("temperature", "sample_temperature"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -136,7 +139,7 @@ def divergence(
         return kl(logp_N_C, logq_N_C if alpha == 0.0 else _log_mix(logp_N_C, logq_N_C, alpha))
     if loss == "skew_reverse_kl":
         return kl(logq_N_C, logp_N_C if alpha == 0.0 else _log_mix(logq_N_C, logp_N_C, alpha))
-    raise ValueError(f"{loss!r} is not a full-distribution divergence; known: {list(LOSSES[:-1])}")
+    raise ValueError(f"{loss!r} is not a full-distribution divergence; known: {list(LOSSES[:-2])}")
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -301,8 +304,8 @@ def chunked_objective(
 
         loss = sum_{b,t} w[b] * m[b,t] * l[b,t] / normalizer
 
-    with ``l`` the per-token divergence (:func:`token_divergence`) for full-distribution losses, or the
-    policy-gradient loss with advantage ``a[b,t] = sg(log p - log q_old) + seq_adv[b]`` for ``sampled_token``. A
+    with ``l`` the per-token divergence (:func:`token_divergence`) for full-distribution losses, ``-log q(x)`` of
+    the target token for ``sft`` (needs ``targets_B_T``), or the policy-gradient loss with advantage ``a[b,t] = sg(log p - log q_old) + seq_adv[b]`` for ``sampled_token``. A
     full-distribution loss with ``seq_adv_B`` (the verifier reward, GKD+RL) adds the policy-gradient term with
     advantage ``seq_adv[b]``. ``normalizer`` defaults to the number of masked positions; ``weight_B`` (per-route
     weights) to 1. ``targets_B_T`` (the token each position predicts; else ``tokens.targets_B_T`` if given) feeds
@@ -321,6 +324,8 @@ def chunked_objective(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     needs_tokens = obj.policy_gradient or seq_adv_B is not None
+    if obj.loss == "sft" and targets_B_T is None and tokens is None:
+        raise ValueError("loss 'sft' needs the target tokens (targets_B_T)")
     if needs_tokens and tokens is None:
         raise ValueError(f"loss {obj.loss!r} with a sequence advantage needs TokenInputs (targets and old log-probs)")
     mask_B_T = mask_B_T.to(torch.float32)
@@ -342,6 +347,8 @@ def chunked_objective(
         diag_B_4 = (diag_N_4.view(*m_B_C.shape, -1) * m_B_C[..., None]).sum(1)
         if obj.policy_gradient:
             per_tok_B_C = torch.zeros_like(m_B_C)
+        elif obj.loss == "sft":
+            per_tok_B_C = -logq_B_C_V.gather(-1, tgt_B_C[..., None]).squeeze(-1)
         else:
             per_tok_B_C = token_divergence(zs_B_C_V.flatten(0, 1), zt_B_C_V.flatten(0, 1), obj).view(m_B_C.shape)
         if needs_tokens:

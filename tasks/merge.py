@@ -33,7 +33,15 @@ from tasks.engines import (
     logprob_parity,
     served_logprobs_k,
 )
-from tasks.distill import BatchProducer, OffPolicyData, PromptSampler, StepStats, score_with_teachers, update_step
+from tasks.distill import (
+    BatchProducer,
+    OffPolicyData,
+    PromptSampler,
+    StepStats,
+    extrapolate_scores,
+    score_with_teachers,
+    update_step,
+)
 from tasks.evaluate import (
     GateResult,
     RouteScore,
@@ -184,6 +192,9 @@ class MergeLoop:
         self.tok = load_tokenizer(cfg.student_uri)
         student_fp = tokenizer_fingerprint(self.tok)
         self.student = load_model(cfg.student_uri).eval()
+        # ExOPD's reference (reward_scale != 1): frozen, loaded before the student's resumed weights replace its init.
+        self.reference = (load_model(opd.reference_uri or cfg.student_uri).eval()
+                          if opd.reward_scale != 1.0 else None)
         self.checkpoints = checkpoints
         latest = checkpoints.latest() if checkpoints is not None else None
         self.resumed = checkpoints.load(latest) if latest is not None else None
@@ -210,6 +221,8 @@ class MergeLoop:
         self.version = 0
         self.window = _Window()
         self.teacher_costs: dict[str, list[float]] = {}  # teacher -> [tokens scored, seconds], over the whole merge
+        self.generated = {"student_tokens": 0, "teacher_sampled_tokens": 0}  # response tokens sampled, whole merge
+        self.train_seconds = 0.0  # generation + teacher scoring + updates, evaluations left out, whole merge
         self.teacher_acc: dict[str, float] = {}
         self.scores: dict[str, RouteScore] = {}
         self.planned = opd.cold_start_steps + opd.steps
@@ -340,6 +353,9 @@ class MergeLoop:
                         groups = shard_groups(groups, rows)
                     hidden = score_with_teachers(self.teachers, self.teachers.resident_first(groups), batch.rollout,
                                                  self.served, served_k, len(self.tok), self.teacher_costs)
+                    if self.reference is not None:
+                        hidden = extrapolate_scores(hidden, self.reference, batch.rollout, opd.reward_scale,
+                                                    self.teacher_costs)
                     uses = 0
                     t_teacher = time.perf_counter() - t0 - t_batch
                 else:
@@ -351,6 +367,7 @@ class MergeLoop:
                     st = sum_stats(st, self.routes)
                 uses += 1
                 self.step += 1
+                self.train_seconds += time.perf_counter() - t0
                 if st.skipped:
                     self.bad_steps += 1
                 else:
@@ -361,11 +378,17 @@ class MergeLoop:
                      "rollout/on_policy": float(batch.on_policy),
                      "rollout/staleness": float(staleness), "time/update": st.seconds["update"],
                      "teachers/loads": float(self.teachers.loads), "teachers/evictions": float(self.teachers.evictions),
-                     "teachers/resident": float(len(self.teachers.resident))}
+                     "teachers/resident": float(len(self.teachers.resident)),
+                     "time/train_total": self.train_seconds}
                 if uses == 1:
                     # Time the update waited for its batch (with overlap: only what the background did not hide).
                     m.update({"time/generate": t_batch, "time/teacher": t_teacher,
                               "rollout/generated": float(batch.generated)})
+                    # What generation cost, cumulative over the merge: the student's own rollouts, and the
+                    # teachers' samples (off-policy batches; each prompt's completion is sampled once and cached).
+                    key = "student_tokens" if batch.on_policy else "teacher_sampled_tokens"
+                    self.generated[key] += batch.generated_tokens
+                    m.update({f"rollout/{k}": float(v) for k, v in self.generated.items()})
                     if opd.overlap_generation or self.engine is not None:
                         m["time/sync"] = producer.sync_seconds
                 if self.step % opd.eval_every == 0:
@@ -413,6 +436,7 @@ class MergeLoop:
             "run_id": self.run_id, "step": self.step, "version": self.version, "stage_no": stage_no,
             "stage_step": stage_step, "bad_steps": self.bad_steps, "gates": [asdict(g) for g in self.gates],
             "window": self.window.sums, "teacher_acc": self.teacher_acc, "teacher_costs": self.teacher_costs,
+            "generated": self.generated, "train_seconds": self.train_seconds,
             # the vLLM engine seeds request i with (seed, i): the count makes a resumed run sample the same
             "engine_requests": self.engine.requests if self.engine is not None else 0,
             "base_scores": {r: asdict(s) for r, s in self.base_scores.items()},
@@ -434,6 +458,8 @@ class MergeLoop:
         self.gates = [GateResult(**g) for g in st["gates"]]
         self.window.sums = st["window"]
         self.teacher_costs = st.get("teacher_costs", {})
+        self.generated = st.get("generated", self.generated)
+        self.train_seconds = st.get("train_seconds", 0.0)
         if self.engine is not None:
             self.engine.requests = st.get("engine_requests", 0)
         self.teacher_acc = st["teacher_acc"]

@@ -395,7 +395,7 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     registry and routing, the student and every routed teacher. Raises :class:`InputError` listing every problem."""
     from tasks.paths import models_dir
 
-    problems = credential_problems({"student_uri": cfg.student_uri})
+    problems = credential_problems({"student_uri": cfg.student_uri, "opd.reference_uri": cfg.opd.reference_uri})
     splits, found = world_problems(cfg.world)
     problems += found
     current_world = f"v{WORLD_VERSION}-{cfg.world.config_hash()}"
@@ -418,6 +418,9 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     if student_uri and not any(p.field == "student_uri" for p in problems):  # not a URI carrying credentials
         student = check_checkpoint(student_uri, "student_uri", grant=" (the student never runs custom code)")
         problems += student.problems
+    ref_uri = cfg.opd.reference_uri
+    if cfg.opd.reward_scale != 1.0 and ref_uri and not any(p.field == "opd.reference_uri" for p in problems):
+        problems += check_checkpoint(ref_uri, "opd.reference_uri", grant=" (the reference never runs custom code)").problems
 
     report = Report(student_uri=student_uri, warnings=warnings)
     if router is not None:

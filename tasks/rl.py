@@ -41,16 +41,19 @@ def policy_loss(
     logq_old_B_T: torch.Tensor,
     clip_eps: float = 0.2,
     chunk_size: int = 64,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Mean over response tokens of the PPO-clipped policy-gradient loss with each sequence's advantage on every one
-    of its tokens. The head runs chunk by chunk with recomputation, so no ``[B, T, V]`` tensor is kept."""
+    of its tokens. The policy is the model's distribution at the sampling ``temperature`` (the one ``logq_old_B_T``
+    was taken at), so an on-policy ratio is 1. The head runs chunk by chunk with recomputation, so no ``[B, T, V]``
+    tensor is kept."""
     hidden_B_T_H = forward_hidden(model, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
     targets_B_T = rollout.sequences_B_T[:, 1:]
     mask_B_T = rollout.loss_mask_B_T().float()
     head = model.get_output_embeddings()
 
     def chunk(h_B_C_H, tgt_B_C, old_B_C, m_B_C):
-        logq_B_C = F.log_softmax(head(h_B_C_H).float(), dim=-1).gather(-1, tgt_B_C[..., None]).squeeze(-1)
+        logq_B_C = F.log_softmax(head(h_B_C_H).float() / temperature, dim=-1).gather(-1, tgt_B_C[..., None]).squeeze(-1)
         adv_B_C = adv_B[:, None].expand_as(m_B_C)
         old_B_C = old_B_C.masked_fill(m_B_C == 0, 0.0)
         return (policy_gradient_loss(logq_B_C, old_B_C, adv_B_C, "clip", clip_eps) * m_B_C).sum()
@@ -98,7 +101,7 @@ def grpo_step(
     adv_B = group_advantages(rewards_B, group_size, normalize_std)
     (logq_old_B_T,) = token_logprobs(model, rollout, (temperature,))
     model.train()
-    loss = policy_loss(model, rollout, adv_B, logq_old_B_T, clip_eps)
+    loss = policy_loss(model, rollout, adv_B, logq_old_B_T, clip_eps, temperature=temperature)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -126,6 +129,8 @@ def train_grpo(
     warmup_steps: int = 10,
     seed: int = 0,
     temperature: float = 1.0,
+    clip_eps: float = 0.2,
+    normalize_std: bool = True,
     on_step=None,
 ) -> list[RLStats]:
     """``steps`` GRPO steps on prompts drawn uniformly over the routes of ``train`` (route -> (prompts, problems));
@@ -140,9 +145,17 @@ def train_grpo(
         picks = [rng.randrange(len(train[r][0])) for r in routes]
         st = grpo_step(model, tok, [train[r][0][i] for r, i in zip(routes, picks)], routes,
                        [train[r][1][i] for r, i in zip(routes, picks)], group_size, max_new_tokens, optimizer,
-                       scheduler, temperature)
+                       scheduler, temperature, clip_eps, normalize_std=normalize_std)
         st.step = step
         history.append(st)
         if on_step is not None:
             on_step(st)
     return history
+
+
+def run_grpo(model: PreTrainedModel, tok: PreTrainedTokenizerBase, train: dict[str, tuple[list[str], list[str]]],
+             rl, max_new_tokens: int, on_step=None) -> list[RLStats]:
+    """:func:`train_grpo` with the settings of a :class:`tasks.config.RLConfig` (``rl.max_new_tokens`` wins over
+    ``max_new_tokens`` when set): RL specialists and the benchmark's Mix-RL baseline both run it."""
+    return train_grpo(model, tok, train, rl.steps, rl.prompts_per_step, rl.group_size, rl.max_new_tokens or max_new_tokens,
+                      rl.lr, rl.warmup_steps, rl.seed, rl.temperature, rl.clip_eps, rl.normalize_std, on_step=on_step)

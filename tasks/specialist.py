@@ -1,4 +1,8 @@
-"""Train one specialist per route from the shared base, evaluate it on the route's held-out prompts, register it."""
+"""Train one specialist per route from the shared base, evaluate it on the route's held-out prompts, register it.
+
+Two trainers, picked by the recipe's type: a :class:`TrainConfig` fine-tunes on the route's gold completions (sft), an
+:class:`RLConfig` runs GRPO from the base with the route's verifier as the reward (rl, an RLVR teacher). Both end in
+the same evaluation, checkpoint and MLflow record."""
 
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.log import say
-from tasks.config import TrainConfig
+from tasks.config import RLConfig, TrainConfig
 from tasks.data import load_prompts, max_new_tokens_for
-from tasks.evaluate import evaluate_route
+from tasks.evaluate import RouteScore, evaluate_route
 from tasks.faults import fault
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir
@@ -24,14 +28,50 @@ from tasks.tracking import config_params, end_run, log_metrics, start_run, track
 
 SPECIALISTS_EXPERIMENT = "opd-specialists"
 
-
-def specialist_dir(world_path: str, route: str, base_fingerprint: str, train: TrainConfig) -> Path:
-    key = hashlib.sha256(f"{world_path}|{route}|{base_fingerprint}|{train.config_hash()}".encode()).hexdigest()[:12]
-    return models_dir() / "specialists" / f"{route}-{key}"
+Recipe = TrainConfig | RLConfig  # how a specialist is trained: sft on gold completions, or rl (GRPO)
 
 
-# Cached on every input (the base is identified by its weights' fingerprint, not its path) and on this code:
-# a rerun with the same inputs returns the finished specialist without training it again.
+def trainer_of(recipe: Recipe) -> str:
+    """``"sft"`` or ``"rl"``: the trainer a recipe runs."""
+    return "rl" if isinstance(recipe, RLConfig) else "sft"
+
+
+def specialist_dir(world_path: str, route: str, base_fingerprint: str, recipe: Recipe) -> Path:
+    # An sft specialist keeps the key it always had (finished folders stay valid); an rl one adds the trainer, so
+    # the two never share a folder whatever their configs hash to.
+    rl = trainer_of(recipe) == "rl"
+    key_src = f"{world_path}|{route}|{base_fingerprint}|{'rl|' if rl else ''}{recipe.config_hash()}"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:12]
+    return models_dir() / "specialists" / (f"{route}-rl-{key}" if rl else f"{route}-{key}")
+
+
+def log_eval(run_id: str, model, tok, route: str, ev, cap: int, step: int) -> RouteScore:
+    """Greedy accuracy on the route's held-out prompts, logged as ``accuracy/<route>`` at ``step``."""
+    score = evaluate_route(model, tok, route, ev["prompt"], ev["problem"], cap)
+    log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length}, step)
+    return score
+
+
+def train_rl(model, tok, route: str, tr, ev, cap: int, rl: RLConfig, run_id: str) -> None:
+    """GRPO from the base on the route's training prompts with its verifier as the reward. Logs the mean reward,
+    loss and response tokens of every step, and the held-out accuracy at step 0 and every ``rl.eval_every`` steps
+    (the caller evaluates the last step)."""
+    from tasks.rl import run_grpo
+
+    def on_step(st) -> None:
+        log_metrics(run_id, {f"rl/reward/{route}": st.reward[route], "train/loss": st.loss,
+                             "rollout/tokens": st.rollout_tokens}, st.step)
+        if st.step % rl.eval_every == 0 and st.step < rl.steps:
+            acc = log_eval(run_id, model, tok, route, ev, cap, st.step).accuracy
+            say(f"specialist {route} (rl) step {st.step}/{rl.steps}: reward {st.reward[route]:.3f}, accuracy {acc:.3f}")
+
+    log_eval(run_id, model, tok, route, ev, cap, 0)
+    run_grpo(model, tok, {route: (list(tr["prompt"]), list(tr["problem"]))}, rl, cap, on_step)
+
+
+# Cached on every input (the base is identified by its weights' fingerprint, not its path; the recipe by its type and
+# fields, so sft and rl never share an entry) and on this code: a rerun with the same inputs returns the finished
+# specialist without training it again.
 @task(
     name="train-specialist",
     task_run_name="train-specialist-{route}",
@@ -39,10 +79,12 @@ def specialist_dir(world_path: str, route: str, base_fingerprint: str, train: Tr
     persist_result=True,
     retries=0,
 )
-def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprint: str, train: TrainConfig) -> dict:
-    """Fine-tune a copy of the base on one route; returns the checkpoint URI and held-out accuracy."""
+def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprint: str, train: Recipe) -> dict:
+    """Train a copy of the base on one route (``train``: the sft or rl recipe); returns the checkpoint URI and
+    held-out accuracy."""
     from tasks.train import train_sft
 
+    trainer = trainer_of(train)
     tok = load_tokenizer(base_uri)
     prompts = load_prompts(world_path)
     tr = prompts["train"].filter(lambda x: x["route"] == route)
@@ -50,21 +92,24 @@ def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprin
     if len(tr) == 0:
         raise ValueError(f"route {route}: no training prompts in {world_path}")
     model = load_model(base_uri)
-    run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}",
-                       {**config_params(train), "route": route, "base_uri": base_uri, "base_fingerprint": base_fingerprint})
+    cap = max_new_tokens_for(tok, tr["completion"])
+    run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}" if trainer == "sft" else f"specialist-rl-{route}",
+                       {**config_params(train), "trainer": trainer, "route": route, "base_uri": base_uri,
+                        "base_fingerprint": base_fingerprint})
     try:
-        train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
-                  on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
+        if trainer == "sft":
+            train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
+                      on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
+        else:
+            train_rl(model, tok, route, tr, ev, cap, train, run_id)
         fault(f"specialist/{route}")  # test-only (tasks/faults.py): a failure after the work, before the save
-        cap = max_new_tokens_for(tok, tr["completion"])
-        score = evaluate_route(model, tok, route, ev["prompt"], ev["problem"], cap)
-        log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length},
-                    train.steps)
+        score = log_eval(run_id, model, tok, route, ev, cap, train.steps)
         out = save_model(model, tok, specialist_dir(world_path, route, base_fingerprint, train))
         MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
     except BaseException:
         end_run(run_id, status="FAILED")  # a failed attempt must not look in progress; a retry starts a new run
         raise
     end_run(run_id, {"model_uri": str(out), "process": f"{socket.gethostname()}:{os.getpid()}"})
-    say(f"specialist {route}: accuracy {score.accuracy:.3f} on {score.n} held-out prompts -> {out}")
+    say(f"specialist {route}{' (rl)' if trainer == 'rl' else ''}: accuracy {score.accuracy:.3f} on {score.n} held-out "
+        f"prompts -> {out}")
     return {"route": route, "uri": str(out), "accuracy": score.accuracy, "mlflow_run_id": run_id}

@@ -63,7 +63,7 @@ def test_run_form_schema_has_descriptions_defaults_and_dropdowns(loaded):
     merge = next(f for (e, _), f in loaded.items() if e.endswith(":merge"))
     schema = parameter_schema(merge).model_dump()
     opd = schema["definitions"]["OPDConfig"]["properties"]
-    assert opd["loss"]["enum"] == ["reverse_kl", "forward_kl", "jsd", "skew_kl", "skew_reverse_kl", "sampled_token"]
+    assert opd["loss"]["enum"] == ["reverse_kl", "forward_kl", "jsd", "skew_kl", "skew_reverse_kl", "sampled_token", "sft"]
     assert opd["steps"]["default"] == 800 and opd["steps"]["minimum"] == 1 and opd["steps"]["description"]
     assert all(p.get("description") for p in opd.values()), [k for k, p in opd.items() if not p.get("description")]
     reg = next(f for (e, _), f in loaded.items() if e.endswith(":register_teacher"))

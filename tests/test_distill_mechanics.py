@@ -314,3 +314,31 @@ def test_pass_at_k_matches_the_combinatorial_definition():
     assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 is the sample accuracy
     with pytest.raises(ValueError):
         pass_at_k(4, 5, 1)
+
+
+def test_extrapolated_scores_target_the_teacher_at_scale_one_and_past_it_beyond(tok):
+    """ExOPD on real models: with the reference's hidden states appended, the teacher head at scale 1 gives the
+    teacher's log-probs, at scale 2 ``2 log p_T - log p_ref`` renormalised; the reference is scored once."""
+    from tasks.distill import extrapolate_scores
+
+    teacher, reference = tiny(tok, 1), tiny(tok, 2)
+    prompts = [format_prompt(Route.parse("rev-high"), p) for p in PROBLEMS["rev-high"]]
+    ro = rollout_from_responses(tok, prompts, [tok(gold_completion(Route.parse("rev-high"), p),
+                                                   add_special_tokens=False)["input_ids"] for p in PROBLEMS["rev-high"]])
+    scores = score_with_teachers({"t": teacher}, {"t": [0, 2]}, ro)
+    with torch.no_grad():
+        logp_t = torch.log_softmax(teacher(input_ids=ro.sequences_B_T[[0, 2]],
+                                           attention_mask=ro.attention_mask_B_T[[0, 2]],
+                                           position_ids=position_ids_from_mask(ro.attention_mask_B_T[[0, 2]])).logits, -1)
+        logp_r = torch.log_softmax(reference(input_ids=ro.sequences_B_T[[0, 2]],
+                                             attention_mask=ro.attention_mask_B_T[[0, 2]],
+                                             position_ids=position_ids_from_mask(ro.attention_mask_B_T[[0, 2]])).logits, -1)
+    mask = ro.attention_mask_B_T[[0, 2]].bool()
+    costs = {}
+    for scale, expected in ((1.0, logp_t), (2.0, torch.log_softmax(2 * logp_t - logp_r, -1))):
+        rows, hidden, head = extrapolate_scores(scores, reference, ro, scale, costs)["t"]
+        assert rows == [0, 2] and hidden.shape[-1] == 64  # teacher width 32 + reference width 32
+        with torch.no_grad():
+            got = torch.log_softmax(head(hidden), -1)
+        assert torch.allclose(got[mask], expected[mask], atol=1e-4)
+    assert costs["reference"][0] == 2 * float(ro.attention_mask_B_T.sum())  # the whole batch, once per call

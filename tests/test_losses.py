@@ -790,3 +790,45 @@ def test_extrapolated_head_is_the_teacher_at_scale_one_and_the_reward_optimum_be
         return (2 * (pi * (logp_t - logp_r)).sum(-1) - (pi * (logpi - logp_r)).sum(-1)).detach()
     other = torch.log_softmax(two + 0.3 * torch.randn(two.shape, generator=g), -1)
     assert bool((objective(two) > objective(other)).all())
+
+
+def test_sft_loss_is_the_target_tokens_cross_entropy_by_hand():
+    # One sequence, V = 3, three positions; the last is masked out. Student logits [0, 0, ln 2] at every position:
+    # probabilities [1/4, 1/4, 1/2]. Targets 2, 0 (and 1, masked): -log(1/2) = ln 2, -log(1/4) = 2 ln 2; mean 1.5 ln 2.
+    V = 3
+    logits = torch.tensor([0.0, 0.0, math.log(2.0)])
+    head_s = torch.nn.Linear(V, V, bias=False)
+    head_t = torch.nn.Linear(V, V, bias=False)
+    with torch.no_grad():
+        head_s.weight.copy_(torch.eye(V))
+        head_t.weight.copy_(torch.eye(V))
+    hs_B_T_H = logits.expand(1, 3, V).clone().requires_grad_(True)
+    ht_B_T_H = torch.randn(1, 3, V)  # the teacher plays no part in the loss value
+    mask_B_T = torch.tensor([[1.0, 1.0, 0.0]])
+    targets_B_T = torch.tensor([[2, 0, 1]])
+    res = chunked_objective(hs_B_T_H, ht_B_T_H, head_s, head_t, mask_B_T, Objective(loss="sft"), chunk_size=2,
+                            targets_B_T=targets_B_T)
+    assert res.loss.item() == pytest.approx(1.5 * math.log(2.0), abs=1e-6)
+    res.loss.backward()
+    # d/dz of -log softmax(z)[y] = softmax(z) - onehot(y), divided by the 2 masked tokens; the masked position gets 0.
+    p = torch.tensor([0.25, 0.25, 0.5])
+    expected = torch.stack([(p - torch.tensor([0.0, 0.0, 1.0])) / 2, (p - torch.tensor([1.0, 0.0, 0.0])) / 2,
+                            torch.zeros(V)])
+    _close(hs_B_T_H.grad[0], expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="target tokens"):
+        chunked_objective(hs_B_T_H, ht_B_T_H, head_s, head_t, mask_B_T, Objective(loss="sft"))
+    with pytest.raises(ValueError, match="top_k does not apply"):
+        Objective(loss="sft", top_k=2)
+
+
+def test_sft_needs_off_policy_batches_in_the_config():
+    from tasks.config import OPDConfig
+
+    with pytest.raises(ValueError, match="set lmbda = 0"):
+        OPDConfig(loss="sft")
+    assert OPDConfig(loss="sft", lmbda=0.0).objective().loss == "sft"
+    assert OPDConfig(cold_start_loss="sft", cold_start_steps=10).cold_start_objective().loss == "sft"
+    with pytest.raises(ValueError, match="teacher_backend 'hf'"):
+        OPDConfig(reward_scale=1.5, teacher_backend="vllm")
+    with pytest.raises(ValueError, match="reward_scale"):
+        OPDConfig(reward_scale=1.5, nproc=2)

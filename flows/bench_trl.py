@@ -1,0 +1,202 @@
+"""Benchmark: our OPD step (:func:`tasks.distill.opd_step`) against TRL's on-policy distillation trainer on the same
+checkpoints, prompts, batch and machine, in one process: response tokens per second and seconds per step, printed as
+a ratio (target: ours >= 1.5x TRL's tokens/s). Not a timed test: the numbers depend on the machine and its load.
+
+TRL's trainer here is ``trl.DistillationTrainer`` (TRL 1.16; GKD's successor, always on-policy, i.e. GKD with
+lmbda = 1) with ``beta = 1.0``, which is the reverse KL(student || teacher) in TRL's convention (as in its
+``generalized_jsd_loss``: beta 0 forward KL, 1 reverse KL). Ours runs ``Objective(loss="reverse_kl")``. Both sample
+from the student at temperature 1 without top-k/top-p up to ``max_new_tokens``, score every sequence with the
+teacher in one forward, and take one AdamW step (this project's ``make_optimizer``, handed to TRL too) with the
+gradient norm clipped to 1. Student and teacher are untrained checkpoints made with this project's code, one pair
+per shape, each loaded fresh for each side; the prompts are the built-in world's, the same ones in the same order
+for both. Steps alternate (one TRL step, then one of ours) so that load from other jobs hits both alike; the first
+``warmup`` steps of each are not counted. Tokens are the response tokens actually generated (up to and including
+EOS), counted per step.
+
+Run:  python -m flows.bench_trl              # shapes 64x2x2 and 256x4x4, batch 16, 32 new tokens
+      python -m flows.bench_trl --quick      # one tiny shape, a few steps (seconds)
+      python -m flows.bench_trl --shapes 128x3x4,512x6x8 --batch_size 32 --steps 10 --threads 2
+
+Needs TRL: ``pip install -e ".[bench]"`` (``make bench-env``). The table goes to stdout and to MLflow (experiment
+``opd-bench``, run ``bench-trl-...``).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from tasks.bench import (
+    BenchOPDConfig,
+    opd_steps,
+    overlapped_opd_seconds,
+    parse_bench_config,
+    parse_shape,
+    publish,
+    save_checkpoint,
+)
+from tasks.log import say
+from tasks.models import load_model, num_parameters
+from tasks.tokenizer import build_char_tokenizer
+from tasks.train import make_optimizer
+
+
+class BenchTRLConfig(BenchOPDConfig):
+    """Shapes, batch and step counts of the TRL comparison (student and teacher share each shape)."""
+
+    warmup: int = Field(2, ge=1, description="Steps of each trainer not counted.")
+    steps: int = Field(8, ge=1, description="Timed steps of each trainer.")
+
+
+def bench_trl_config(profile: str = "default") -> BenchTRLConfig:
+    if profile == "quick":
+        return BenchTRLConfig(shapes=["64x2x2"], batch_size=4, max_new_tokens=8, warmup=1, steps=2)
+    return BenchTRLConfig()
+
+
+def trl_trainer_class():
+    """``trl.DistillationTrainer`` that also records, per generation, its seconds and the response tokens it
+    generated (the work is TRL's own, unchanged)."""
+    from trl import DistillationTrainer
+
+    class TimedDistillationTrainer(DistillationTrainer):
+        generations: list[tuple[float, int]]
+
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            self.generations.append((time.perf_counter() - t0, sum(len(ids) for ids in out[1])))
+            return out
+
+    return TimedDistillationTrainer
+
+
+# What TRL does differently from our step, printed with the table (checked in TRL 1.16's distillation_trainer.py).
+TRL_DIFFERENCES = [
+    "TRL settings changed from its defaults to do our work: bf16=False (fp32 like ours), activation (gradient) "
+    "checkpointing off (ours does not recompute the backbone), shuffle_dataset=False (same prompts, same order), "
+    "logging off",
+    "ours+overlap is the merge loop's opd.overlap_generation: the next batch is generated in a background thread "
+    "(from a copy of the student synced every step, so one update stale) while this step scores and updates; it runs "
+    "after the alternating pair, on its own, timed as wall time over its steps. It can use a second core only when "
+    "one is free: compare at the same --threads",
+    "TRL's step time runs from on_step_begin to on_step_end of transformers' Trainer loop (generation, teacher, "
+    "loss, backward, clip, AdamW, LR step); its dataloader fetch and log/save hooks are outside it",
+    "ours also decodes and verifies every response (verifier reward) and keeps per-route diagnostics (entropies, "
+    "top-k overlap, repetition); TRL logs the student entropy and completion lengths",
+    "TRL's training forwards pass no position_ids, so left-padded prompts are scored at shifted positions (not those "
+    "they were sampled at); ours derives positions from the attention mask (same cost, different numbers)",
+    "TRL pads completions to the longest in the batch and projects every position through both heads (its chunked "
+    "kernel skips masked positions only on Triton devices); ours also runs both full sequences and masks the loss",
+]
+
+
+def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
+    """One shape: fresh checkpoints, one TRL trainer and one of our students, alternating steps. Returns per-trainer
+    lists of (seconds, tokens, generation seconds) for the timed steps."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import DistillationConfig
+
+    tok = build_char_tokenizer()
+    student_path = save_checkpoint(tok, parse_shape(shape), cfg.seed, root / "student")
+    teacher_path = save_checkpoint(tok, parse_shape(shape), cfg.seed + 1, root / "teacher")
+    student = load_model(student_path)
+    our_step = opd_steps(cfg, student, load_model(teacher_path).eval().requires_grad_(False), tok)
+    ours: list[tuple[float, int, float]] = []
+    trl: list[float] = []
+
+    class Alternate(TrainerCallback):
+        """Times each TRL step, then runs one of ours."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            trl.append(time.perf_counter() - self.t0)
+            stats = our_step(state.global_step - 1)
+            ours.append((stats.seconds["step"], stats.tokens, stats.seconds["generate"]))
+
+    trl_student = load_model(student_path)
+    n_steps = cfg.warmup + cfg.steps
+    trl_optimizer, trl_scheduler = make_optimizer(trl_student, cfg.lr, 0.0, 0, n_steps)
+    args = DistillationConfig(
+        output_dir=str(root / "trl"), per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=1,
+        max_steps=n_steps, learning_rate=cfg.lr, max_grad_norm=1.0, beta=1.0, temperature=1.0, top_k=0, top_p=1.0,
+        max_completion_length=cfg.max_new_tokens, bf16=False, fp16=False, activation_checkpointing=False,
+        use_cpu=True, shuffle_dataset=False, dataloader_num_workers=0, report_to="none", logging_strategy="no",
+        save_strategy="no", disable_tqdm=True, seed=cfg.seed,
+    )
+    with warnings.catch_warnings():  # transformers 5 deprecation notes on TRL's internal gradient_checkpointing reads
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+        trainer = trl_trainer_class()(
+            model=trl_student, teacher_model=load_model(teacher_path), args=args,
+            train_dataset=Dataset.from_dict({"prompt": cfg.prompts()[0]}), processing_class=tok,
+            optimizers=(trl_optimizer, trl_scheduler), callbacks=[Alternate()],
+        )
+        trainer.generations = []
+        trainer.remove_callback(PrinterCallback)  # its end-of-training log line would interleave with our table
+        torch.set_num_threads(cfg.threads)  # whatever the Trainer's setup did
+        trainer.train()
+    trl_steps = [(s, g[1], g[0]) for s, g in zip(trl, trainer.generations)]
+    # Its background thread would run during TRL's steps if it alternated with them: it runs alone, afterwards.
+    seconds, tokens = overlapped_opd_seconds(cfg, load_model(student_path), load_model(teacher_path).eval(), tok)
+    overlap = [(seconds / cfg.steps, tokens / cfg.steps, None)] * cfg.steps  # generation hidden: no own time
+    return {"params": num_parameters(student), "ours": ours[cfg.warmup:], "trl": trl_steps[cfg.warmup:],
+            "ours+overlap": overlap}
+
+
+HEADERS = ["shape", "params", "trainer", "tokens/step", "s/step", "gen s/step", "tokens/s", "x TRL"]
+
+
+def bench_trl(cfg: BenchTRLConfig) -> dict:
+    import trl
+
+    torch.set_num_threads(cfg.threads)
+    say(f"ours (tasks.distill.opd_step, reverse_kl) vs TRL {trl.__version__} DistillationTrainer (beta=1.0, on-policy)"
+        f": batch {cfg.batch_size}, up to {cfg.max_new_tokens} new tokens, {cfg.warmup} warm-up + {cfg.steps} timed "
+        f"steps each, alternating, {torch.get_num_threads()} torch thread(s); untrained student and teacher")
+    rows, metrics = [], {}
+    for label in cfg.shapes:
+        with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
+            res = run_shape(cfg, label, Path(tmp))
+        rates = {}
+        for name in ("ours", "ours+overlap", "trl"):
+            steps = res[name]
+            seconds, tokens = (sum(x[k] for x in steps) for k in range(2))
+            gen = None if steps[0][2] is None else sum(x[2] for x in steps)
+            rates[name] = tokens / seconds
+            rows.append([label, res["params"], name, tokens / len(steps), seconds / len(steps), None if gen is None else gen / len(steps),
+                         rates[name], None])
+            key = name.replace("+", "_")  # MLflow metric names take no '+'
+            metrics[f"tokens_per_s/{key}/{label}"] = rates[name]
+            metrics[f"step_s/{key}/{label}"] = seconds / len(steps)
+        for row in rows[-3:]:
+            row[-1] = rates[row[2]] / rates["trl"]
+        metrics[f"ours_over_trl/{label}"] = rates["ours"] / rates["trl"]
+        metrics[f"ours_overlap_over_trl/{label}"] = rates["ours+overlap"] / rates["trl"]
+    ratios = [r[-1] for r in rows if r[2] == "ours"]
+    overlap_ratios = [r[-1] for r in rows if r[2] == "ours+overlap"]
+    verdict = "; ".join(
+        f"{name}/TRL tokens per second: {', '.join(f'{s} {x:.2f}x' for s, x in zip(cfg.shapes, rs))}"
+        f" (target >= 1.5x: {'met' if min(rs) >= 1.5 else 'NOT met'})"
+        for name, rs in (("ours", ratios), ("ours+overlap", overlap_ratios)))
+    run_id = publish(cfg, f"bench-trl-b{cfg.batch_size}-t{cfg.max_new_tokens}", HEADERS, rows,
+                     [verdict, "differences:", *(f"- {d}" for d in TRL_DIFFERENCES)], metrics, "bench_trl",
+                     {"trl": trl.__version__, "result": verdict})
+    return {"headers": HEADERS, "rows": rows, "ratios": ratios, "overlap_ratios": overlap_ratios, "run_id": run_id}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return bench_trl(parse_bench_config(argv, bench_trl_config, __doc__))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,69 @@
+"""The OPD-step benchmarks run end to end on their ``--quick`` path (in a subprocess, as a user runs them) and print a
+table of finite positive numbers. No timing is asserted: benchmarks report ratios, they are not timed tests."""
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_TRL = importlib.util.find_spec("trl") is not None
+
+
+def run_quick(module: str) -> str:
+    # conftest's OPD_HOME / MLFLOW_TRACKING_URI are in os.environ: the run logs into this session's store.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", module, "--quick"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def printed_table(stdout: str) -> list[dict[str, str]]:
+    """The rows of the first table in ``stdout`` (header, dashed rule, rows; cells two or more spaces apart)."""
+    lines = stdout.splitlines()
+    rule = next(i for i, line in enumerate(lines) if re.fullmatch(r"-+( +-+)+", line.strip()))
+    headers = re.split(r" {2,}", lines[rule - 1].strip())
+    rows = []
+    for line in lines[rule + 1:]:
+        cells = re.split(r" {2,}", line.strip())
+        if len(cells) != len(headers):
+            break
+        rows.append(dict(zip(headers, cells)))
+    assert rows, stdout
+    return rows
+
+
+def assert_positive(rows: list[dict[str, str]], text_columns: set[str]) -> None:
+    for row in rows:
+        for column, cell in row.items():
+            if column not in text_columns:
+                value = float(cell)
+                assert math.isfinite(value) and value > 0, (column, row)
+
+
+def test_bench_step_quick_prints_a_breakdown():
+    out = run_quick("flows.bench_step")
+    rows = printed_table(out)
+    assert [r["shape"] for r in rows] == ["64x2x2"]
+    assert_positive(rows, {"shape"})
+    assert re.search(r"peak fp32 FLOP/s: [0-9.]+ GFLOP/s", out) and "MLflow run" in out
+
+
+@pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed in this environment (the comparison needs it): "
+                    "`make bench-env` or pip install -e '.[bench]'")
+def test_bench_trl_quick_prints_both_trainers():
+    out = run_quick("flows.bench_trl")
+    rows = printed_table(out)
+    assert [(r["shape"], r["trainer"]) for r in rows] == [("64x2x2", "ours"), ("64x2x2", "ours+overlap"),
+                                                          ("64x2x2", "trl")]
+    assert rows[1]["gen s/step"] == "-"  # overlapped: generation has no time of its own
+    assert_positive([rows[0], rows[2]], {"shape", "trainer"})
+    assert_positive([rows[1]], {"shape", "trainer", "gen s/step"})
+    assert re.search(r"ours/TRL tokens per second: 64x2x2 [0-9.]+x", out) and "MLflow run" in out
+    assert re.search(r"ours\+overlap/TRL tokens per second: 64x2x2 [0-9.]+x", out)
