@@ -5,7 +5,7 @@
 PY ?= python3
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm-env bench-env main quick objectives test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup vllm-env bench-env main quick objectives benchmark test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
@@ -38,6 +38,9 @@ quick: setup
 
 objectives: setup
 	$(PY) -m flows.objectives --profile quick
+
+benchmark: setup
+	$(PY) -m flows.benchmark --profile quick
 
 stack-up:
 	bash infra/stack.sh up

@@ -150,10 +150,10 @@ def curves_figure(curves: Sequence[Curve], routes: Sequence[str], target: float)
               ("training seconds", lambda p: p.seconds, None),
               *((f"optimizer steps ({g} routes)", lambda p: p.step, rs) for g, rs in groups.items())]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab20")
     for ax, (xlabel, x, subset) in zip(axes[0], panels):
         for j, c in enumerate(curves):
-            color = cmap(j % 10)
+            color = cmap(j % 20)
             ys = [p.mean(subset) for p in c.points]
             if len(c.points) == 1:
                 ax.axhline(ys[0], color=color, linestyle=":", label=c.method)

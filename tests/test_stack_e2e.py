@@ -62,8 +62,13 @@ def deployment_id(stack, flow: str, name: str) -> str:
 def run_and_wait(stack, flow: str, name: str, parameters: dict, timeout: float = 900) -> tuple[dict, float]:
     """Create a flow run of a deployment through the REST API (what the UI's Run button does) and wait for it."""
     t0 = time.perf_counter()
-    r = httpx.post(f"{stack['api']}/deployments/{deployment_id(stack, flow, name)}/create_flow_run",
-                   json={"parameters": parameters}, timeout=30)
+    for attempt in range(6):  # a 503 (the server's sqlite busy on a loaded machine) says: try again
+        r = httpx.post(f"{stack['api']}/deployments/{deployment_id(stack, flow, name)}/create_flow_run",
+                       json={"parameters": parameters}, timeout=30)
+        if r.status_code != 503:
+            break
+        print(f"create_flow_run answered 503 ({r.text[:200]}); retrying", flush=True)
+        time.sleep(5 * (attempt + 1))
     r.raise_for_status()
     run_id = r.json()["id"]
     while time.perf_counter() - t0 < timeout:
