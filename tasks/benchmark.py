@@ -206,12 +206,10 @@ def teacher_accuracies(records, world_path: str) -> dict[str, float]:
     from tasks.models import load_model
     from tasks.tokenizer import load_tokenizer
 
-    acc = {}
-    for rec in records:
-        tok = load_tokenizer(rec.model_uri)
-        evals, cap = held_out(world_path, tok, [rec.route])
-        acc[rec.route] = evaluate_route(load_model(rec.model_uri).eval(), tok, rec.route, *evals[rec.route], cap).accuracy
-    return acc
+    tok = load_tokenizer(records[0].model_uri)  # every teacher shares it (the registry checked the fingerprints)
+    evals, cap = held_out(world_path, tok, [rec.route for rec in records])
+    return {rec.route: evaluate_route(load_model(rec.model_uri).eval(), tok, rec.route, *evals[rec.route], cap).accuracy
+            for rec in records}
 
 
 def grpo_curve(cfg, base_uri: str, world_path: str, teacher_acc: dict[str, float], run_id: str) -> Curve:
