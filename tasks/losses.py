@@ -379,7 +379,9 @@ def chunked_objective(
         if needs_tokens:
             args += [tokens.targets_B_T[:, sl], tokens.logq_behaviour_B_T[:, sl], tokens.logq_old_B_T[:, sl]]
         if torch.is_grad_enabled() and student_hidden_B_T_H.requires_grad:
-            l_B, r_B, d_B_4 = checkpoint(chunk, *args, use_reentrant=False)
+            # The chunk draws no random numbers: preserving torch's RNG state would only save and restore the global
+            # generator during backward, rewinding the draws of an overlapped rollout thread sampling meanwhile.
+            l_B, r_B, d_B_4 = checkpoint(chunk, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             l_B, r_B, d_B_4 = chunk(*args)
         loss_sum_B = loss_sum_B + l_B

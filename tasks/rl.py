@@ -64,7 +64,7 @@ def policy_loss(
         if not bool(mask_B_T[:, sl].any()):
             continue
         total = total + checkpoint(chunk, hidden_B_T_H[:, sl], targets_B_T[:, sl], logq_old_B_T[:, sl],
-                                   mask_B_T[:, sl], use_reentrant=False)
+                                   mask_B_T[:, sl], use_reentrant=False, preserve_rng_state=False)  # no RNG draws
     return total / mask_B_T.sum().clamp(min=1.0)
 
 
@@ -91,12 +91,14 @@ def grpo_step(
     clip_eps: float = 0.2,
     grad_clip: float = 1.0,
     normalize_std: bool = True,
+    generator: torch.Generator | None = None,
 ) -> RLStats:
-    """One GRPO step: ``group_size`` samples of each prompt, verifier rewards, group advantages, one clipped update
-    (on-policy, so the ratio starts at 1 and the clip only matters for reuse)."""
+    """One GRPO step: ``group_size`` samples of each prompt (drawn from ``generator`` when given, else from torch's
+    global one), verifier rewards, group advantages, one clipped update (on-policy, so the ratio starts at 1 and the
+    clip only matters for reuse)."""
     t0 = time.perf_counter()
     rep = lambda xs: [x for x in xs for _ in range(group_size)]  # noqa: E731
-    rollout = generate(model, tok, rep(prompts), max_new_tokens, temperature=temperature)
+    rollout = generate(model, tok, rep(prompts), max_new_tokens, temperature=temperature, generator=generator)
     rewards_B = verifier_rewards(tok, rollout, rep(routes), rep(problems))
     adv_B = group_advantages(rewards_B, group_size, normalize_std)
     (logq_old_B_T,) = token_logprobs(model, rollout, (temperature,))
@@ -134,9 +136,9 @@ def train_grpo(
     on_step=None,
 ) -> list[RLStats]:
     """``steps`` GRPO steps on prompts drawn uniformly over the routes of ``train`` (route -> (prompts, problems));
-    ``on_step(stats)`` after each (logging, evaluation)."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
+    ``on_step(stats)`` after each (logging, evaluation). Prompts and samples come from generators of its own seeded
+    with ``seed``, never torch's global one: specialists trained side by side in threads are reproducible."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     optimizer, scheduler = make_optimizer(model, lr, 0.0, min(warmup_steps, steps // 2), steps)
     route_names = list(train)
     history = []
@@ -145,7 +147,7 @@ def train_grpo(
         picks = [rng.randrange(len(train[r][0])) for r in routes]
         st = grpo_step(model, tok, [train[r][0][i] for r, i in zip(routes, picks)], routes,
                        [train[r][1][i] for r, i in zip(routes, picks)], group_size, max_new_tokens, optimizer,
-                       scheduler, temperature, clip_eps, normalize_std=normalize_std)
+                       scheduler, temperature, clip_eps, normalize_std=normalize_std, generator=gen)
         st.step = step
         history.append(st)
         if on_step is not None:

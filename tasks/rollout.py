@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def position_ids_from_mask(attention_mask_B_T: torch.Tensor) -> torch.Tensor:
@@ -40,6 +40,21 @@ def response_mask(generated_B_R: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (~after_first_eos).long()
 
 
+class PrivateSampler(LogitsProcessor):
+    """Sampling from ``softmax(scores / temperature)`` with a caller's own ``torch.Generator``, for transformers'
+    ``generate`` run greedily (whose sampling otherwise draws from torch's global generator, which every thread of a
+    process shares): Gumbel-max, the argmax of the log-probabilities plus independent Gumbel noise ``-log E``
+    (``E ~ Exp(1)``), is an exact draw from that distribution."""
+
+    def __init__(self, temperature: float, generator: torch.Generator):
+        self.temperature, self.generator = temperature, generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores_B_V: torch.FloatTensor) -> torch.FloatTensor:
+        e_B_V = torch.empty_like(scores_B_V).exponential_(generator=self.generator)
+        # E = 0 would give +inf noise, and inf + (-inf) on a banned token a NaN that argmax picks.
+        return scores_B_V / self.temperature - e_B_V.clamp_(min=torch.finfo(e_B_V.dtype).tiny).log()
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -48,12 +63,20 @@ def generate(
     max_new_tokens: int,
     greedy: bool = False,
     temperature: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> Rollout:
-    """Sample (temperature, no top-k/top-p truncation) or decode greedily one completion per prompt."""
+    """Sample (temperature, no top-k/top-p truncation) or decode greedily one completion per prompt. Samples draw
+    from torch's global generator, or from ``generator`` when given (:class:`PrivateSampler`): code sampling in
+    threads side by side passes its own to stay reproducible."""
     was_training = model.training
     model.eval()
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    if greedy:
+        kwargs = dict(do_sample=False)
+    elif generator is not None:
+        kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([PrivateSampler(temperature, generator)]))
+    else:
+        kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     out_B_T = model.generate(
         input_ids=enc.input_ids,
         attention_mask=enc.attention_mask,

@@ -458,6 +458,28 @@ def test_reverse_kl_sum_is_the_full_reverse_kl_whatever_the_objective(obj):
     assert not res.reverse_kl_sum_B.requires_grad and not res.loss_sum_B.requires_grad
 
 
+def rng_state_calls(monkeypatch) -> list[str]:
+    """Record every save or restore of torch's global CPU RNG state (what ``torch.utils.checkpoint`` does around a
+    recomputation when asked to preserve it)."""
+    calls: list[str] = []
+    for name in ("get_rng_state", "set_rng_state"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+def test_the_chunked_backward_leaves_the_global_rng_alone(monkeypatch):
+    """The loss chunks draw no random numbers, so their recomputation must not save and restore torch's global RNG:
+    a restore during backward rewinds the draws an overlapped rollout thread (opd.overlap_generation) made meanwhile,
+    which made merges with overlap non-reproducible (and their resume differ from an uninterrupted run)."""
+    s, t, mask = _batch()
+    hs = s.clone().requires_grad_(True)
+    calls = rng_state_calls(monkeypatch)
+    chunked_objective(hs, t, ID, ID, mask, Objective(loss="reverse_kl"), chunk_size=2).loss.backward()
+    assert hs.grad.abs().sum() > 0  # the recomputation ran
+    assert calls == []
+
+
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 def test_chunked_with_linear_heads(chunk_size):
     B, T, H, Ht, V = 3, 7, 5, 9, 11

@@ -43,30 +43,77 @@ def test_policy_loss_gradient_is_minus_advantage_times_grad_log_prob():
         assert torch.allclose(g, p.grad, atol=1e-6)
 
 
-def test_a_few_grpo_steps_raise_the_reward():
+def test_the_policy_loss_backward_leaves_the_global_rng_alone(monkeypatch):
+    """Like the distillation loss (tests/test_losses.py): its chunk recomputation saves and restores no RNG state."""
     from tasks.models import create_model
-    from tasks.rollout import decode_responses, generate
+    from tasks.rollout import generate, token_logprobs
     from tasks.tokenizer import build_char_tokenizer
-    from tasks.world import Route, format_prompt, verify
+    from tests.test_losses import rng_state_calls
 
-    torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = create_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, seed=0)
-    # One-letter reversal (the answer is the letter itself), after a few supervised steps: the model answers right
-    # sometimes, so groups disagree and GRPO has a signal.
-    from tasks.train import sft_batch, sft_loss
-    from tasks.world import gold_completion
+    ro = generate(model, tok, ["<bos><rev><low>abc="], 6)
+    (old,) = token_logprobs(model, ro, (1.0,))
+    calls = rng_state_calls(monkeypatch)
+    policy_loss(model, ro, torch.tensor([1.0]), old, chunk_size=2).backward()
+    assert next(model.parameters()).grad is not None
+    assert calls == []
 
+
+def warmed_up_rev_low(steps: int = 12):
+    """A tiny model after a few supervised steps on one-letter reversal (the answer is the letter itself): it answers
+    right sometimes, so GRPO groups disagree and have a signal. Returns (tokenizer, model, prompts, problems)."""
+    from tasks.models import create_model
+    from tasks.tokenizer import build_char_tokenizer
+    from tasks.train import sft_batch, sft_loss
+    from tasks.world import Route, format_prompt, gold_completion
+
+    tok = build_char_tokenizer()
+    model = create_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, seed=0)
     route = Route.parse("rev-low")
     problems = list("abcdefgh")
     prompts = [format_prompt(route, p) for p in problems]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = sft_batch(tok, prompts, [gold_completion(route, p) for p in problems])
-    for _ in range(12):
+    for _ in range(steps):
         opt.zero_grad()
         sft_loss(model, batch).backward()
         opt.step()
-    model.eval()
+    return tok, model.eval(), prompts, problems
+
+
+def test_grpo_runs_side_by_side_in_threads_end_where_they_end_alone():
+    """RL specialists train in parallel threads (flows.specialists --trainer rl --workers 2): each run's prompts and
+    samples come from generators of its own, so it ends with the weights it gets alone, whatever runs beside it."""
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok, base, prompts, problems = warmed_up_rev_low()
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+
+    def run(seed: int) -> torch.Tensor:
+        model = copy.deepcopy(base)
+        hist = train_grpo(model, tok, {"rev-low": (prompts, problems)}, steps=4, prompts_per_step=8, group_size=4,
+                          max_new_tokens=3, lr=5e-3, warmup_steps=1, seed=seed)
+        assert 0 < sum(h.reward["rev-low"] for h in hist) < 4  # groups disagreed: the updates had a signal
+        return flat(model)
+
+    seeds = [0, 1, 2]
+    alone = [run(s) for s in seeds]
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        side = list(pool.map(run, seeds))
+    for a, b in zip(alone, side):
+        assert torch.equal(a, b)
+    assert not torch.equal(alone[0], alone[1]) and not torch.equal(alone[0], flat(base))  # the seed matters
+
+
+def test_a_few_grpo_steps_raise_the_reward():
+    from tasks.rollout import decode_responses, generate
+    from tasks.world import Route, verify
+
+    torch.manual_seed(0)
+    tok, model, prompts, problems = warmed_up_rev_low()
+    route = Route.parse("rev-low")
 
     def reward():
         torch.manual_seed(1)

@@ -6,7 +6,14 @@ import torch
 from tasks.distill import opd_step, score_with_teachers
 from tasks.losses import Objective, chunked_objective
 from tasks.models import create_model
-from tasks.rollout import decode_responses, forward_hidden, generate, position_ids_from_mask, response_mask
+from tasks.rollout import (
+    PrivateSampler,
+    decode_responses,
+    forward_hidden,
+    generate,
+    position_ids_from_mask,
+    response_mask,
+)
 from tasks.tokenizer import build_char_tokenizer
 
 PROMPTS = ["<bos><shift><low>1:ab=", "<bos><rev><high>abcdefgh=", "<bos><sort><low>5203="]
@@ -64,6 +71,49 @@ def test_generate_returns_consistent_masks(tok):
         assert (ids[-1] == tok.eos_token_id) == (not bool(ro.truncated_B[row]))
         assert tok.eos_token_id not in ids[:-1]
         assert len(text) == sum(i not in special for i in ids)  # one character per non-special token
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_private_sampler_draws_from_the_tempered_softmax(temperature):
+    """Gumbel-max with a private generator: the argmax frequencies over 40000 draws are softmax(scores / T), a banned
+    (-inf) token is never drawn, and torch's global generator is not touched."""
+    scores = torch.tensor([[0.7, 0.2, 0.1, 0.0]]).log().expand(40000, 4).clone()  # token 3 banned
+    state = torch.get_rng_state()
+    sampler = PrivateSampler(temperature, torch.Generator().manual_seed(0))
+    freq = torch.bincount(sampler(None, scores).argmax(-1), minlength=4).float() / 40000
+    want = torch.tensor([0.7, 0.2, 0.1]) ** (1 / temperature)
+    want = torch.cat([want / want.sum(), torch.zeros(1)])  # T = 2: 0.5051, 0.2700, 0.2249, 0
+    assert torch.allclose(freq, want, atol=0.01), (freq, want)
+    assert freq[3] == 0
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_generate_with_a_private_generator_is_reproducible_in_threads(tok):
+    """Two threads sampling side by side, each with its own generator, get what each gets alone: the rollouts of a
+    seed are fixed whatever else the process samples meanwhile (RL specialists train side by side in threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny(tok, 1)
+    prompts = PROMPTS * 8
+
+    def rollouts(seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        return [generate(model, tok, prompts, 6, temperature=1.5, generator=gen).sequences_B_T for _ in range(4)]
+
+    alone = {seed: rollouts(seed) for seed in (1, 2)}
+    torch.manual_seed(0)
+    with ThreadPoolExecutor(3) as pool:
+        noise = pool.submit(lambda: [torch.rand(1000) for _ in range(20000)])  # a third thread on the global RNG
+        side = {seed: f.result() for seed, f in [(s, pool.submit(rollouts, s)) for s in (1, 2)]}
+        noise.result()
+    after = torch.get_rng_state()
+    for seed in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(alone[seed], side[seed]))
+    assert not torch.equal(alone[1][0], alone[2][0])  # and the seed matters
+    assert len({tuple(x.flatten().tolist()) for x in alone[1]}) == 4  # the generator advances between calls
+    torch.manual_seed(0)
+    [torch.rand(1000) for _ in range(20000)]
+    assert torch.equal(after, torch.get_rng_state())  # the global generator served the third thread alone
 
 
 @pytest.mark.parametrize("loss", ["reverse_kl", "forward_kl", "jsd", "skew_reverse_kl", "sampled_token"])
