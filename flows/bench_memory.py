@@ -17,11 +17,11 @@ import sys
 import tempfile
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tasks.bench import peak_rss_mb
 from tasks.config import _Config
-from tasks.losses import LossName, Objective, chunked_objective, token_divergence
+from tasks.losses import LOSSES, LossName, Objective, chunked_objective, token_divergence
 from tasks.table import format_table
 
 
@@ -35,6 +35,15 @@ class BenchMemoryConfig(_Config):
     chunk_size: int = Field(64, ge=1, description="Positions per chunk of the chunked path.")
     loss: LossName = Field("reverse_kl", description="Divergence (any full-distribution loss of the menu).")
     seed: int = Field(0, ge=0)
+
+    @field_validator("loss")
+    @classmethod
+    def _full_distribution(cls, v: str) -> str:
+        # Both paths compare full [V] distributions; these two losses use one log-prob per token and a target.
+        if v in ("sampled_token", "sft"):
+            raise ValueError(f"loss {v!r} uses one log-prob per token, not the full distributions this benchmark "
+                             f"compares: pick one of {[x for x in LOSSES if x not in ('sampled_token', 'sft')]}")
+        return v
 
 
 def _inputs(cfg: BenchMemoryConfig):

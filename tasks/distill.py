@@ -99,12 +99,13 @@ def sample_batch(
     divergence_temperature: float = 1.0,
     with_logprobs: bool = False,
     engine: VLLMRollout | None = None,
+    generator: torch.Generator | None = None,
 ) -> Batch:
     """On-policy rollouts of ``model`` (sampled at ``sample_temperature``, no top-k/top-p; each row cut at its route's
-    cap), by transformers or by the vLLM ``engine`` holding ``model``'s weights. With ``with_logprobs`` the behaviour
-    log-probs (sampling temperature) and the old policy's log-probs (divergence temperature) of the sampled tokens
-    are recorded for the importance ratio and the per-token advantage; the engine's own log-probs serve as the
-    behaviour log-probs."""
+    cap), by transformers (drawing from ``generator`` when given, else torch's global one) or by the vLLM ``engine``
+    holding ``model``'s weights. With ``with_logprobs`` the behaviour log-probs (sampling temperature) and the old
+    policy's log-probs (divergence temperature) of the sampled tokens are recorded for the importance ratio and the
+    per-token advantage; the engine's own log-probs serve as the behaviour log-probs."""
     tokens = None
     if engine is not None and with_logprobs:
         rollout, logq_beh_B_T, logq_old_B_T = rollout_with_logprobs(
@@ -113,7 +114,8 @@ def sample_batch(
     elif engine is not None:
         rollout, _ = engine.generate(prompts, caps_B, sample_temperature)
     else:
-        rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature)
+        rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature,
+                           generator=generator)
         rollout = cap_responses(rollout, caps_B, tok.eos_token_id)
     if with_logprobs and tokens is None:
         temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
@@ -147,7 +149,10 @@ class OffPolicyData:
         self.gold, self.sample_temperature = gold, sample_temperature
         self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
 
-    def batch(self, prompts: list[str], routes: list[str], problems: list[str], caps_B: list[int]) -> Batch:
+    def batch(self, prompts: list[str], routes: list[str], problems: list[str], caps_B: list[int],
+              generator: torch.Generator | None = None) -> Batch:
+        """Off-policy completions of ``prompts``; teacher samples missing from the cache are drawn from ``generator``
+        when given, else from torch's global one."""
         generated = generated_tokens = 0
         if self.source == "dataset":
             missing = [p for p in prompts if p not in self.gold]
@@ -156,13 +161,14 @@ class OffPolicyData:
             ids = self.tok([self.gold[p] for p in prompts], add_special_tokens=False)["input_ids"]
             responses = [x + [self.tok.eos_token_id] for x in ids]
         else:
-            generated, generated_tokens = self._fill(prompts, routes, caps_B)
+            generated, generated_tokens = self._fill(prompts, routes, caps_B, generator)
             responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
         rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses), caps_B, self.tok.eos_token_id)
         rewards_B = verifier_rewards(self.tok, rollout, routes, problems)
         return Batch(rollout, routes, problems, False, -1, rewards_B, None, generated, generated_tokens)
 
-    def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int]) -> tuple[int, int]:
+    def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int],
+              generator: torch.Generator | None) -> tuple[int, int]:
         """Sample the missing (teacher, prompt) completions, one generate call per teacher. Returns how many, and
         their response tokens."""
         todo: dict[str, dict[str, int]] = {}
@@ -173,7 +179,8 @@ class OffPolicyData:
                 todo.setdefault(name, {})[p] = cap
         for name, caps in todo.items():
             plist = list(caps)
-            ro = generate(self.teachers[name], self.tok, plist, max(caps.values()), temperature=self.sample_temperature)
+            ro = generate(self.teachers[name], self.tok, plist, max(caps.values()), temperature=self.sample_temperature,
+                          generator=generator)
             ro = cap_responses(ro, [caps[p] for p in plist], self.tok.eos_token_id)
             self.cache[name].update(zip(plist, response_ids(ro)))
             tokens += int(ro.response_lengths_B.sum())
@@ -202,7 +209,9 @@ class BatchProducer:
 
     With ``overlap`` the next batch is made in a background thread from a copy of the student (the rollout model)
     while the current update runs; the copy gets the student's weights each time a batch is taken, so a batch is one
-    update behind (``staleness`` 1, more with rollout reuse) and the importance ratio corrects for it.
+    update behind (``staleness`` 1, more with rollout reuse) and the importance ratio corrects for it. The thread
+    samples from a generator of its own, seeded with ``seed`` (:meth:`rng_state` for checkpoints), never torch's
+    global one: whatever the update draws meanwhile (a student's dropout) cannot change the batches.
 
     With a vLLM ``engine`` the engine is the rollout model: the student's weights are pushed into it before it
     generates a batch for a newer student (after every optimizer step when each batch serves one update), and
@@ -222,6 +231,7 @@ class BatchProducer:
         with_logprobs: bool = False,
         overlap: bool = False,
         engine: VLLMRollout | None = None,
+        seed: int = 0,
     ):
         self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
         self.batch_size, self.with_logprobs, self.overlap, self.engine = batch_size, with_logprobs, overlap, engine
@@ -230,6 +240,7 @@ class BatchProducer:
         if overlap and engine is None:
             self.rollout_model = copy.deepcopy(student).eval().requires_grad_(False)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
+        self.generator = torch.Generator().manual_seed(seed) if overlap else None
         self.pending: Future | None = None
         self.sync_seconds = 0.0  # time of the last weight sync into the rollout model
 
@@ -238,8 +249,8 @@ class BatchProducer:
         caps_B = [self.caps[r] for r in routes]
         if on_policy:
             return sample_batch(model, self.tok, prompts, routes, problems, caps_B, version, *self.temps,
-                                with_logprobs=self.with_logprobs, engine=self.engine)
-        return self.offpolicy.batch(prompts, routes, problems, caps_B)
+                                with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator)
+        return self.offpolicy.batch(prompts, routes, problems, caps_B, self.generator)
 
     def next(self, lmbda: float, version: int) -> Batch:
         """The next batch; ``version`` is the number of optimizer steps the student has taken so far."""
@@ -262,11 +273,6 @@ class BatchProducer:
         model = self.student if self.rollout_model is None else self.rollout_model  # the engine copies the student
         return self.executor.submit(self._make, model, on_policy, version, drawn)
 
-    def wait(self) -> None:
-        """Block until the batch being made in the background is ready (it stays pending, to be taken by ``next``)."""
-        if self.pending is not None:
-            self.pending.exception()
-
     def _sync(self, version: int) -> None:
         if self.engine is not None:
             self.sync_seconds = self.engine.sync(self.student, version)
@@ -287,6 +293,14 @@ class BatchProducer:
         if batch is not None:
             self.pending = Future()
             self.pending.set_result(batch)
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The background thread's generator state (None without overlap); take it after :meth:`drain`."""
+        return None if self.generator is None else self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if self.generator is not None and state is not None:
+            self.generator.set_state(state)
 
     def close(self) -> None:
         if self.executor is not None:

@@ -330,7 +330,7 @@ class MergeLoop:
         needs_logprobs = lmbda > 0 and (opd.reward_weight > 0 or any(o.policy_gradient for o in objectives.values()))
         producer = BatchProducer(self.student, self.tok, self.sampler, self.offpolicy, self.caps, opd.batch_size,
                                  opd.sample_temperature, opd.divergence_temperature, needs_logprobs,
-                                 opd.overlap_generation, self.engine)
+                                 opd.overlap_generation, self.engine, seed=opd.seed * 1009 + no)
         served_k = {name: served_logprobs_k([objectives[r] for r in self.routes if self.teacher_of[r] == name])
                     for name in self.teachers}
         stage_id = {"cold_start": 1, "on_policy": 2}[name]
@@ -392,8 +392,6 @@ class MergeLoop:
                     if opd.overlap_generation or self.engine is not None:
                         m["time/sync"] = producer.sync_seconds
                 if self.step % opd.eval_every == 0:
-                    # pass@k samples: let the overlapped rollout finish first, as torch's generator is shared by threads
-                    producer.wait()
                     m.update(self._eval_metrics())
                 self.log({k: v for k, v in m.items() if v == v and abs(v) != float("inf")}, self.step)
                 bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
@@ -431,7 +429,7 @@ class MergeLoop:
             raise FloatingPointError(f"student weights {bad[:3]} are not finite at step {self.step}: not checkpointed; "
                                      f"{self.describe_checkpoint()}")
         trainer = {"optimizer": optim, "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-                   "pending": batch_state(pending)}
+                   "pending": batch_state(pending), "rollout_rng": producer.rng_state()}
         state = {
             "run_id": self.run_id, "step": self.step, "version": self.version, "stage_no": stage_no,
             "stage_step": stage_step, "bad_steps": self.bad_steps, "gates": [asdict(g) for g in self.gates],
@@ -483,6 +481,7 @@ class MergeLoop:
             optimizer.load_state_dict(trainer["optimizer"])
         scheduler.load_state_dict(trainer["scheduler"])
         producer.prime(batch_from_state(trainer["pending"]))
+        producer.set_rng_state(trainer.get("rollout_rng"))  # absent from checkpoints older than it
         torch.set_rng_state(trainer["torch_rng"])
         random.setstate(_rng_state(self.resumed.state["python_rng"]))
         self.resumed = None

@@ -263,6 +263,42 @@ def test_overlapped_generation_is_one_update_stale_and_syncs_weights(tok):
     assert producer.pending is None
 
 
+def test_overlapped_batches_come_from_the_producers_own_generator(tok):
+    """With overlap the background thread samples from the producer's own generator: its batches are the same whatever
+    the main thread does with torch's global RNG meanwhile (a reseed, dropout draws in the update), and a producer
+    restored from a checkpoint's drained batch and generator state goes on with the batches of one never stopped."""
+    student, teacher = tiny(tok, 10), tiny(tok, 11)
+
+    def run(disturb: bool, producer=None, n: int = 4) -> list[torch.Tensor]:
+        producer = producer or _producer(tok, student, teacher, overlap=True)[0]
+        try:
+            out = []
+            for v in range(n):
+                out.append(producer.next(1.0, version=v).rollout.sequences_B_T)
+                if disturb:  # while the next batch is being generated
+                    torch.manual_seed(1000 + v)
+                    [torch.rand(256) for _ in range(2000)]
+            return out
+        finally:
+            producer.close()
+
+    reference = run(disturb=False)
+    assert all(torch.equal(a, b) for a, b in zip(reference, run(disturb=True)))
+    assert len({tuple(x.flatten().tolist()) for x in reference}) == 4  # the generator advances batch after batch
+    # A checkpoint after two batches: the batch generated ahead, the sampler's and the generator's states.
+    first, _ = _producer(tok, student, teacher, overlap=True)
+    try:
+        taken = [first.next(1.0, version=v).rollout.sequences_B_T for v in range(2)]
+        pending, rng, sampler = first.drain(), first.rng_state(), first.sampler.rng.getstate()
+    finally:
+        first.close()
+    resumed, _ = _producer(tok, student, teacher, overlap=True)
+    resumed.prime(pending)
+    resumed.set_rng_state(rng)
+    resumed.sampler.rng.setstate(sampler)
+    assert all(torch.equal(a, b) for a, b in zip(taken + run(disturb=True, producer=resumed, n=2), reference))
+
+
 def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
     from tasks.teacher_pool import TeacherPool
 
