@@ -22,7 +22,7 @@ from flows.names import from_parameters, specialists_name
 from tasks.log import say
 from tasks.config import SpecialistsConfig, pipeline_config
 from tasks.models import checkpoint_fingerprint
-from tasks.pretrain import build_world_task, latest_base
+from tasks.pretrain import build_world_task, folder_gone, latest_base
 from tasks.tracking import publish_teacher, setup_mlflow, teacher_model_name
 from tasks.specialist import SPECIALISTS_EXPERIMENT, train_specialist
 from teachers.registry import Provenance, TeacherRegistry
@@ -64,13 +64,18 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
     setup_mlflow(SPECIALISTS_EXPERIMENT)
     recipe = cfg.rl if cfg.trainer == "rl" else cfg.train
     train = train_specialist.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_seconds)
+    params = [dict(world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=recipe)
+              for r in cfg.world.routes]
     with task_runner(cfg) as runner:
-        futures = [
-            runner.submit(train, parameters=dict(
-                world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=recipe))
-            for r in cfg.world.routes
-        ]
-        results = [f.result(raise_on_failure=False) for f in futures]
+        results = [f.result(raise_on_failure=False) for f in [runner.submit(train, parameters=p) for p in params]]
+        # A cached specialist whose folder is gone (deleted to free disk) is trained again, not registered.
+        gone = [i for i, res in enumerate(results) if isinstance(res, dict) and folder_gone(res["uri"])]
+        if gone:
+            say("cached specialists whose folders are gone, trained again: "
+                + ", ".join(f"{cfg.world.routes[i]} ({results[i]['uri']})" for i in gone))
+            again = train.with_options(refresh_cache=True)
+            for i, f in [(i, runner.submit(again, parameters=params[i])) for i in gone]:
+                results[i] = f.result(raise_on_failure=False)
     registry = TeacherRegistry()
     names, failed = [], []
     for route, res in zip(cfg.world.routes, results):

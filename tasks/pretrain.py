@@ -8,6 +8,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.config import PretrainConfig
+from tasks.log import say
 from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for
 from tasks.evaluate import evaluate_routes
 from tasks.models import create_model, save_model
@@ -17,15 +18,39 @@ from tasks.train import train_sft
 from tasks.tracking import config_params, end_run, log_metrics, start_run
 
 
+def folder_gone(path: str) -> bool:
+    """A cached task result names a folder that is no longer there (deleted to free disk, or a moved state)."""
+    return not Path(path).is_dir()
+
+
+def cached(task_fn, path_of, *args):
+    """``task_fn(*args)`` (a task cached on its inputs and code); when the folder its cached result names is gone,
+    it runs again with the cache refreshed, instead of handing later steps a path to nothing."""
+    res = task_fn(*args)
+    if folder_gone(path_of(res)):
+        say(f"{task_fn.name}: the cached result's folder {path_of(res)} is gone: running it again")
+        res = task_fn.with_options(refresh_cache=True)(*args)
+    return res
+
+
 @task(name="build-world", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
-def build_world_task(cfg) -> str:
-    """Tokenizer and prompt sets on disk; returns the world folder."""
+def _build_world(cfg) -> str:
     return str(build_world(cfg))
 
 
-@task(name="pretrain-base", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+def build_world_task(cfg) -> str:
+    """Tokenizer and prompt sets on disk (a cached task); returns the world folder."""
+    return cached(_build_world, lambda path: path, cfg)
+
+
 def pretrain_base(cfg: PretrainConfig, world_path: str) -> dict:
-    """Pre-train a fresh base on all routes' gold completions; returns its URI and per-route accuracy."""
+    """Pre-train a fresh base on all routes' gold completions (a cached task); returns its URI and per-route
+    accuracy."""
+    return cached(_pretrain_base, lambda res: res["uri"], cfg, world_path)
+
+
+@task(name="pretrain-base", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+def _pretrain_base(cfg: PretrainConfig, world_path: str) -> dict:
     tok = load_tokenizer(Path(world_path) / "tokenizer")
     train = load_prompts(world_path)["train"]
     model = create_model(tok, seed=cfg.train.seed, **cfg.model.model_dump())
