@@ -19,7 +19,7 @@ import tempfile
 import torch
 from pydantic import Field, field_validator
 
-from tasks.bench import peak_rss_mb
+from tasks.bench import peak_rss_mb, reset_peak_rss
 from tasks.config import _Config
 from tasks.losses import LOSSES, LossName, Objective, chunked_objective, token_divergence
 from tasks.table import format_table
@@ -67,6 +67,7 @@ def _run(cfg_json: str, path: str, out_file: str) -> None:
     cfg = BenchMemoryConfig.model_validate_json(cfg_json)
     hs_B_T_H, ht_B_T_H, student_head, teacher_head, mask_B_T = _inputs(cfg)
     obj = Objective(loss=cfg.loss)
+    reset_peak_rss()  # the inputs are resident; whatever start-up peaked at is not this path's
     base = peak_rss_mb()
     if path == "naive":
         zs_B_T_V = student_head(hs_B_T_H)
@@ -86,12 +87,19 @@ def _run(cfg_json: str, path: str, out_file: str) -> None:
 def measure(cfg: BenchMemoryConfig, path: str):
     # glibc keeps freed heap pages resident, so peak RSS would count memory already released; with every allocation
     # over 64 KiB served by mmap (and returned on free) peak RSS follows the tensors actually alive.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+    # Set for the spawned process only (it reads them at start), not left behind in this one's environment.
+    malloc = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    saved = {k: os.environ.get(k) for k in malloc}
     with tempfile.TemporaryDirectory() as tmp:
         out_file = f"{tmp}/{path}.pt"
         p = mp.get_context("spawn").Process(target=_run, args=(cfg.model_dump_json(), path, out_file))
-        p.start()
+        os.environ.update({k: v for k, v in malloc.items() if saved[k] is None})
+        try:
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
         p.join()
         if p.exitcode != 0:
             raise RuntimeError(f"the {path} path failed (exit code {p.exitcode})")

@@ -170,8 +170,24 @@ def median_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
+def reset_peak_rss() -> None:
+    """Count this process's peak resident memory afresh from now (Linux: writing 5 to /proc/self/clear_refs resets
+    VmHWM to the current RSS), so that :func:`peak_rss_mb` measures what follows, not a transient peak of start-up
+    (imports, unpickling a spawned process's arguments). Elsewhere the count keeps its start-up peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB."""
+    """This process's peak resident memory since it started or since :func:`reset_peak_rss`, in MB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
