@@ -50,7 +50,6 @@ from tasks.benchmark import (
 from tasks.config import PipelineConfig, RLConfig, _deep_merge, known_names, pipeline_config
 from tasks.log import say
 from tasks.paths import models_dir
-from tasks.pretrain import build_world_task
 from tasks.table import format_table
 from tasks.tracking import config_params, end_run, log_figure, log_metrics, log_table, start_run, tracking_uri
 from tasks.world import Route
@@ -152,7 +151,7 @@ def benchmark(cfg: BenchmarkConfig = BenchmarkConfig()) -> dict:
     """base -> specialists (cached) -> each method from the same base -> cost-to-target table, curves, MLflow."""
     base = prepare_base(cfg.pretrain())
     teachers = train_specialists(cfg.specialists(base["uri"]))
-    world_path = build_world_task(cfg.world)
+    world_path = base["world_path"]  # the world prepare_base built (and the specialists used)
     registry = TeacherRegistry()
     teacher_acc = teacher_accuracies([registry.get(n) for n in teachers], world_path)
     routes = cfg.world.routes

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from mlflow.tracking import MlflowClient
 
+from tasks.log import say
 from tasks.tracking import tracking_uri
 from tasks.world import Route
 
@@ -251,7 +252,7 @@ def grpo_curve(cfg, base_uri: str, world_path: str, teacher_acc: dict[str, float
     point(0)
     t0 = time.perf_counter()
     run_grpo(model, tok, train, cfg, cap, on_step)
-    print(f"GRPO (Mix-RL): {cfg.steps} steps in {time.perf_counter() - t0:.0f}s", flush=True)
+    say(f"GRPO (Mix-RL): {cfg.steps} steps in {time.perf_counter() - t0:.0f}s")
     return curve
 
 
