@@ -5,7 +5,7 @@
 PY ?= python3
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm-env bench-env main quick objectives benchmark test stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup vllm-env bench-env main quick objectives benchmark test mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
@@ -41,6 +41,31 @@ objectives: setup
 
 benchmark: setup
 	$(PY) -m flows.benchmark --profile quick
+
+# Mutation testing (not part of `make test`; about 10 minutes on 1 worker): mutmut ([tool.mutmut] in pyproject.toml)
+# mutates losses, routing and the retention functions in a fresh mutants/ copy, runs their unit tests there, then
+# prints the score per file: killed (+ timeout) / all mutants of these functions. MUTATION_JOBS=N runs N workers.
+MUTATION_JOBS ?= 1
+MUTANTS = "tasks.losses.*" "teachers.router.*" "tasks.evaluate.x_retention__mutmut_*" \
+          "tasks.evaluate.x_pass_at_k__mutmut_*" "tasks.merge.x_route_metrics__mutmut_*"
+mutation:
+	@$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install "mutmut==3.8.1"
+	rm -rf mutants && mkdir mutants
+	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS) > mutants/run.log 2>&1 || \
+	  { tail -c 4000 mutants/run.log; exit 1; }
+	@$(PY) -m mutmut results --all true | awk -F': ' ' \
+	  $$1 ~ /^ *(tasks\.losses\.|teachers\.router\.|tasks\.evaluate\.x_(retention|pass_at_k)__|tasks\.merge\.x_route_metrics__)/ { \
+	    name = $$1; sub(/^ +/, "", name); mod = name; sub(/\.x.*$$/, "", mod); \
+	    n[mod]++; c[mod, $$2]++; N++; C[$$2]++; \
+	    if ($$2 != "killed" && $$2 != "timeout") left = left "  " name ": " $$2 "\n" } \
+	  END { \
+	    f = "%-16s %6s %6s %8s %7s %8s %6s\n"; g = "%-16s %6d %6d %8d %7d %8d %5.1f%%\n"; \
+	    printf f, "mutants", "total", "killed", "survived", "timeout", "no tests", "score"; \
+	    for (m in n) printf g, m, n[m], c[m, "killed"], c[m, "survived"], c[m, "timeout"], c[m, "no tests"], \
+	      100 * (c[m, "killed"] + c[m, "timeout"]) / n[m]; \
+	    printf g, "all", N, C["killed"], C["survived"], C["timeout"], C["no tests"], \
+	      N ? 100 * (C["killed"] + C["timeout"]) / N : 0; \
+	    if (left != "") printf "not killed (mutmut show NAME shows the change):\n%s", left }'
 
 stack-up:
 	bash infra/stack.sh up

@@ -219,11 +219,17 @@ def benchmark(cfg: BenchmarkConfig = BenchmarkConfig()) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from tasks.cli import parse_config
+    from tasks.cli import parse_config, problems_of
 
-    cfg = parse_config(argv, benchmark_config, __doc__, with_profile=True)
+    from tasks.preflight import preflight_pipeline
+
+    # Refused before Prefect starts, with every problem the preflight finds; the flow runs it again (UI, deployments).
+    cfg = parse_config(argv, benchmark_config, __doc__, with_profile=True,
+                       check=lambda c: problems_of(preflight_pipeline, c, say_warnings=False))
     return benchmark(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from tasks.cli import run_main
+
+    sys.exit(run_main(main))

@@ -17,9 +17,10 @@ from pydantic import Field
 from flows.names import from_parameters, stamp
 from tasks.compare import differing_params, find_runs, grouped_bars, retention_rows, routes_of
 from tasks.config import _Config
-from tasks.log import link, say
+from tasks.log import link, redact, say
+from tasks.preflight import InputError, Problem
 from tasks.table import format_table
-from tasks.tracking import end_run, log_figure, log_params, log_table, run_url, start_run
+from tasks.tracking import end_run, log_figure, log_params, log_table, run_url, start_run, tracking_uri
 
 
 class CompareConfig(_Config):
@@ -32,6 +33,37 @@ class CompareConfig(_Config):
     output_experiment: str = Field("opd-compare", min_length=1, description="MLflow experiment of the comparison.")
 
 
+class NoMergesYet(InputError):
+    """Fewer than two merge runs to compare (on a fresh state folder: none at all)."""
+
+
+def merge_runs(cfg: CompareConfig) -> list:
+    """The runs to compare. Raises :class:`NoMergesYet` when there are fewer than two, and :class:`InputError` when
+    MLflow refuses the run ids or the filter."""
+    from mlflow.exceptions import MlflowException
+
+    where = redact(tracking_uri())
+    try:
+        runs = find_runs(cfg.run_ids, cfg.experiment, cfg.filter, cfg.max_runs)
+    except ValueError:  # find_runs: no such experiment, i.e. no merge ever ran against this store
+        runs = []
+    except MlflowException as e:
+        if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
+        field = "run_ids" if cfg.run_ids else "filter"
+        raise InputError([Problem(where, field, f"{' '.join(str(e).split())}; expected "
+                          + ("ids of runs in this MLflow store" if cfg.run_ids else "an MLflow search filter"))],
+                         "config") from None
+    if len(runs) < 2:
+        asked = (f"run_ids {cfg.run_ids}" if cfg.run_ids else f"experiment {cfg.experiment!r}"
+                 + (f" with filter {cfg.filter!r}" if cfg.filter else ""))
+        raise NoMergesYet([Problem(where, "run_ids" if cfg.run_ids else "experiment",
+                                   f"{len(runs)} finished merge run(s) with retention/mean for {asked}; need at least "
+                                   "2 merge runs to compare: run python -m flows.merge first (e.g. twice, with "
+                                   "different --opd.loss), or pass --run_ids")], "config")
+    return runs
+
+
 def _name(cfg: CompareConfig) -> str:
     what = f"{len(cfg.run_ids)}runs" if cfg.run_ids else cfg.experiment
     return f"compare-merges-{what}-{stamp()}"
@@ -40,10 +72,7 @@ def _name(cfg: CompareConfig) -> str:
 @flow(name="compare-merges", flow_run_name=from_parameters(CompareConfig, _name))
 def compare_merges(cfg: CompareConfig = CompareConfig()) -> dict:
     """Find the runs, tabulate retention per route and the differing config fields, chart, log, publish."""
-    runs = find_runs(cfg.run_ids, cfg.experiment, cfg.filter, cfg.max_runs)
-    if len(runs) < 2:
-        raise ValueError(f"need at least 2 merge runs to compare, found {len(runs)} "
-                         f"(run_ids={cfg.run_ids}, experiment={cfg.experiment!r}, filter={cfg.filter!r})")
+    runs = merge_runs(cfg)
     routes = routes_of(runs)
     rows = retention_rows(runs, routes)
     headers = ["run", "run id", *routes, "mean"]
@@ -78,8 +107,11 @@ def main(argv: list[str] | None = None) -> dict:
     from tasks.cli import parse_config
 
     cfg = parse_config(argv, CompareConfig, __doc__)
+    merge_runs(cfg)  # refused before Prefect starts
     return compare_merges(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from tasks.cli import run_main
+
+    sys.exit(run_main(main))

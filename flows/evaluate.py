@@ -8,6 +8,7 @@ Run:  python -m flows.evaluate --profile quick                       # the @cham
 
 from __future__ import annotations
 
+import re
 import sys
 
 from prefect import flow
@@ -20,6 +21,7 @@ from tasks.data import eval_sets, load_prompts, max_new_tokens_for
 from tasks.evaluate import evaluate_route, retention
 from tasks.log import link, say
 from tasks.models import load_model
+from tasks.preflight import CONFIG, Problem, registry_problems, routing_problems
 from tasks.pretrain import build_world_task
 from tasks.tokenizer import load_tokenizer
 from tasks.tracking import CHAMPION, STUDENT_MODEL, config_params, end_run, log_metrics, log_table, run_url, start_run
@@ -52,6 +54,37 @@ def resolve_model(uri: str) -> str:
 
         return mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri())
     return uri
+
+
+def input_problems(cfg: EvaluateConfig) -> list[Problem]:
+    """What :func:`main` refuses before Prefect starts: an MLflow model URI that names no registered version (an empty
+    ``model_uri`` means the champion, which only a merge creates), a registry that does not read, routes without a
+    teacher."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from tasks.log import redact
+    from tasks.tracking import tracking_uri
+
+    problems = []
+    uri = cfg.model_uri or f"models:/{STUDENT_MODEL}@{CHAMPION}"
+    m = re.match(r"^models:/([^/@]+)(?:@([^/]+)|/(\d+))$", uri)
+    if m:
+        client = MlflowClient(tracking_uri())
+        try:
+            client.get_model_version_by_alias(m[1], m[2]) if m[2] else client.get_model_version(m[1], m[3])
+        except MlflowException as e:
+            if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise
+            found = f"{uri} is not in the MLflow model registry at {redact(tracking_uri())}"
+            problems.append(Problem(CONFIG, "model_uri", f"empty, and no merged student yet: {found}; expected "
+                                    "a checkpoint (--model_uri PATH), or a merge first (python -m flows.merge)"
+                                    if not cfg.model_uri else f"{found}; expected a registered model version"))
+    registry, found = registry_problems()
+    problems += found
+    if registry is not None:
+        problems += routing_problems(registry, cfg.world.routes, cfg.teachers)[2]
+    return problems
 
 
 @flow(name="evaluate", flow_run_name=from_parameters(EvaluateConfig, _name))
@@ -87,9 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
     from tasks.cli import parse_config
 
     cfg = parse_config(argv, lambda profile="default": EvaluateConfig(world=pipeline_config(profile).world), __doc__,
-                       with_profile=True)
+                       with_profile=True, check=input_problems)  # refused before Prefect starts
     return evaluate(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from tasks.cli import run_main
+
+    sys.exit(run_main(main))

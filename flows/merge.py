@@ -72,11 +72,15 @@ def merge(cfg: MergeConfig = MergeConfig()) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from tasks.cli import parse_config
+    from tasks.cli import parse_config, problems_of
 
-    cfg = parse_config(argv, lambda profile="default": pipeline_config(profile).merge("", []), __doc__, with_profile=True)
+    # Refused before Prefect starts, with every problem the preflight finds; the flow runs it again (UI, deployments).
+    cfg = parse_config(argv, lambda profile="default": pipeline_config(profile).merge("", []), __doc__,
+                       with_profile=True, check=lambda c: problems_of(preflight_merge, c, say_warnings=False))
     return merge(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from tasks.cli import run_main
+
+    sys.exit(run_main(main))

@@ -60,11 +60,15 @@ def register_teacher(cfg: RegisterConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from tasks.cli import parse_config
+    from teachers.cli import student_tokenizer_problems
 
-    # The required fields start empty, so a missing flag fails validation naming it.
-    cfg = parse_config(argv, lambda: RegisterConfig.model_construct(name="", route="", model_uri=""), __doc__)
+    # The required fields start empty, so a missing flag fails validation naming it. Refused before Prefect starts.
+    cfg = parse_config(argv, lambda: RegisterConfig.model_construct(name="", route="", model_uri=""), __doc__,
+                       check=lambda c: student_tokenizer_problems(c.student_tokenizer))
     return register_teacher(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from tasks.cli import run_main
+
+    sys.exit(run_main(main))

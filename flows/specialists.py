@@ -22,6 +22,7 @@ from flows.names import from_parameters, specialists_name
 from tasks.log import say
 from tasks.config import SpecialistsConfig, pipeline_config
 from tasks.models import checkpoint_fingerprint
+from tasks.preflight import CONFIG, Problem
 from tasks.pretrain import build_world_task, folder_gone, latest_base
 from tasks.tracking import publish_teacher, setup_mlflow, teacher_model_name
 from tasks.specialist import SPECIALISTS_EXPERIMENT, train_specialist
@@ -100,12 +101,26 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
     return names
 
 
+def _base_problems(cfg: SpecialistsConfig) -> list[Problem]:
+    """An empty ``base_uri`` means the last `prepare base` run's, which must exist."""
+    if cfg.base_uri:
+        return []
+    try:
+        latest_base()
+    except FileNotFoundError as e:
+        return [Problem(CONFIG, "base_uri", f"empty, and {e}")]
+    return []
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     from tasks.cli import parse_config
 
-    cfg = parse_config(argv, lambda profile="default": pipeline_config(profile).specialists(""), __doc__, with_profile=True)
+    cfg = parse_config(argv, lambda profile="default": pipeline_config(profile).specialists(""), __doc__,
+                       with_profile=True, check=_base_problems)  # refused before Prefect starts
     return train_specialists(cfg)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from tasks.cli import run_main
+
+    sys.exit(run_main(main))

@@ -9,7 +9,8 @@
 #   bash infra/stack.sh deploy   (re)apply infra/prefect.yaml to the running server
 #   eval "$(bash infra/stack.sh env)"   point this shell's prefect/mlflow/python at the stack
 #
-# Ports: PREFECT_PORT (4200), MLFLOW_PORT (5000). Work pool: OPD_WORK_POOL (opd-local).
+# Ports: PREFECT_PORT (4200), MLFLOW_PORT (5000); the Prefect UI calls its API on PREFECT_PORT (PREFECT_UI_API_URL).
+# Work pool: OPD_WORK_POOL (opd-local).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STATE="${OPD_HOME:-$ROOT/.opd}"
@@ -25,10 +26,11 @@ stack_env() {
   cat <<EOF
 export OPD_HOME="$STATE" OPD_REPO_ROOT="$ROOT" OPD_WORK_POOL="$POOL"
 export PREFECT_HOME="$STATE/prefect" PREFECT_API_URL="http://$HOST:$PREFECT_PORT/api"
+export PREFECT_UI_API_URL="http://$HOST:$PREFECT_PORT/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_WORKER_QUERY_SECONDS=2 PREFECT_RUNNER_POLL_FREQUENCY=2
 export PREFECT_RESULTS_LOCAL_STORAGE_PATH="$STATE/prefect/storage"
 export MLFLOW_TRACKING_URI="http://$HOST:$MLFLOW_PORT" OPD_MLFLOW_UI="http://$HOST:$MLFLOW_PORT"
-export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false MLFLOW_DISABLE_TELEMETRY="${MLFLOW_DISABLE_TELEMETRY:-true}"
 EOF
 }
 eval "$(stack_env)"

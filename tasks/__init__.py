@@ -1,15 +1,21 @@
 """Units of work (Prefect tasks) and the pure functions under them.
 
 Importing this package first sets the environment the project's Prefect, MLflow and torch runs need on a small
-machine, without overriding anything the user already set (see ../shared/notes/runtime-facts.md for why).
+machine, without overriding anything the user already set (see ../shared/notes/runtime-facts.md for why), and keeps
+every record those tools write under the state folder (``tasks.paths.state_env``). Prefect reads its settings when it
+is imported, so every entry point imports this package before prefect: ``flows/__init__.py`` and
+``teachers/__init__.py`` do it for their modules.
 """
 
 import os as _os
+import sys as _sys
+import warnings as _warnings
 from pathlib import Path as _Path
 
-_state = _Path(_os.environ.get("OPD_HOME", _Path(__file__).resolve().parent.parent / ".opd")).resolve()
-for _key, _value in {
-    "PREFECT_HOME": str(_state / "prefect"),
+from tasks.paths import state_env as _state_env
+
+_defaults = {
+    **_state_env(_os.environ),
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
@@ -20,6 +26,12 @@ for _key, _value in {
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-}.items():
+}
+# Prefect settings this import adds: too late for a process that has imported prefect already.
+_late = sorted(k for k in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH") if k in _defaults)
+for _key, _value in _defaults.items():
     _os.environ.setdefault(_key, _value)
 _Path(_os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+if _late and "prefect" in _sys.modules:
+    _warnings.warn(f"prefect was imported before the `tasks` package set {', '.join(_late)}: this process may keep "
+                   "Prefect records outside the state folder; import tasks (or flows) before prefect", stacklevel=2)

@@ -1,16 +1,54 @@
-"""Command-line flags generated from a flow's pydantic config: the flag names are the config's dotted field names."""
+"""Command-line flags generated from a flow's pydantic config (the flag names are the config's dotted field names),
+and :func:`run_main`, which turns a refusal into ``error: ...`` lines and exit code 2 for every entry point.
+
+    if __name__ == "__main__":
+        sys.exit(run_main(main))      # main(argv) parses with parse_config, checks its input, then runs the flow
+
+A refusal names the file or field, what was found and what was expected, one line per problem, with no traceback
+(``--debug`` on any command line shows it). Only the project's own user-facing errors are refusals
+(:data:`USER_ERRORS`); anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Callable, TypeVar
+import logging
+import os
+import re
+import sys
+import traceback
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from tasks.config import _deep_merge, flatten, unflatten
+# tasks.config is imported where needed: it imports torch, which `python -m teachers list` should not wait for.
+from tasks.preflight import CONFIG, InputError, Problem
+from teachers.registry import RegistryError
 
 C = TypeVar("C", bound=BaseModel)
+
+DEBUG = "--debug"
+DEBUG_HELP = "on a refusal, show the Python traceback instead of the error lines"
+# Config fields that name a checkpoint or tokenizer (a local folder or a hub id): the last part of the dotted name.
+PATH_FIELDS = ("model_uri", "student_uri", "base_uri", "reference_uri", "tokenizer", "student_tokenizer")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # models:/..., runs:/..., hf://..., s3://...
+
+
+class InvalidConfig(SystemExit):
+    """Flags that fail the config's checks; ``problems`` lists every one. A :class:`SystemExit`, so a script calling
+    :func:`parse_config` without :func:`run_main` still stops with the message and no traceback."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(
+            f"  - {p.field}: {p.message}" if p.file == CONFIG else f"  - {p}" for p in self.problems))
+
+
+# The refusals run_main prints as messages: bad input found by the project's own checks.
+USER_ERRORS: tuple[type[BaseException], ...] = (InvalidConfig, InputError, RegistryError)
 
 
 def _parse_value(text: str, default: Any) -> Any:
@@ -25,9 +63,12 @@ def _parse_value(text: str, default: Any) -> Any:
 
 
 def build_parser(cfg: BaseModel, description: str, with_profile: bool = False) -> argparse.ArgumentParser:
+    from tasks.config import flatten
+
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if with_profile:
         parser.add_argument("--profile", choices=["quick", "default"], default="default", help="Named preset.")
+    parser.add_argument(DEBUG, action="store_true", help=DEBUG_HELP)
     for key, default in flatten(cfg).items():
         if key == "profile":
             continue
@@ -36,21 +77,144 @@ def build_parser(cfg: BaseModel, description: str, with_profile: bool = False) -
     return parser
 
 
+def validation_problems(err: ValidationError, file: str = CONFIG) -> list[Problem]:
+    """One :class:`Problem` per pydantic error: the dotted field, the message and the value given; without the link
+    to pydantic's docs that ``str(err)`` ends each error with."""
+    problems = []
+    for e in err.errors():
+        field = ".".join(map(str, e.get("loc", ()))) or "(config)"
+        message = re.sub(r"^(Value|Assertion) error, ", "", e["msg"])
+        given = e.get("input")
+        if e.get("loc") and not isinstance(given, (dict, list, BaseModel)) and e["type"] != "missing":
+            message += f" (got {given!r})"
+        problems.append(Problem(file, field, message))
+    return problems
+
+
+def looks_like_path(uri: str) -> bool:
+    """Written as a local path rather than a hub id (``org/name``: at most one ``/``) or a URI with a scheme
+    (``models:/name@alias``): starts with ``/``, ``.`` or ``~``, has more than one ``/``, or holds the OS's own
+    separator where that is not ``/``."""
+    if not uri or _SCHEME.match(uri):
+        return False
+    return uri.startswith(("/", ".", "~")) or uri.count("/") > 1 or (os.sep != "/" and os.sep in uri)
+
+
+def missing_path_problems(values: dict[str, str], file: str = CONFIG) -> list[Problem]:
+    """The values (field -> checkpoint or tokenizer) written as local paths that do not exist, refused before any
+    hub lookup (which would otherwise report them as malformed repo ids)."""
+    problems = []
+    for field, value in values.items():
+        if not isinstance(value, str) or not looks_like_path(value):
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            problems.append(Problem(file, field, f"{value}: no such folder; expected an existing local folder, or a "
+                                    "hub id such as org/name"))
+        elif not path.is_dir():
+            problems.append(Problem(file, field, f"{value}: a file, not a folder; expected the folder holding the "
+                                    "checkpoint or tokenizer files"))
+    return problems
+
+
+def path_fields(cfg: BaseModel) -> dict[str, str]:
+    """The config's checkpoint and tokenizer fields (:data:`PATH_FIELDS`), by dotted name."""
+    from tasks.config import flatten
+
+    return {k: v for k, v in flatten(cfg).items() if k.rsplit(".", 1)[-1] in PATH_FIELDS}
+
+
 def parse_config(
     argv: list[str] | None,
     make_default: Callable[..., C],
     description: str,
     with_profile: bool = False,
+    check: Callable[[C], list[Problem]] | None = None,
 ) -> C:
-    """Parse flags into a validated config; ``make_default(profile=...)`` gives the defaults flags override."""
+    """Parse flags into a validated config; ``make_default(profile=...)`` gives the defaults flags override. Raises
+    :class:`InvalidConfig` listing every field that fails validation, or else every checkpoint/tokenizer path that
+    does not exist and every other problem the flow's own ``check`` of the config finds (e.g. its preflight)."""
+    from tasks.config import _deep_merge, flatten, unflatten
+
     probe = make_default(profile="default") if with_profile else make_default()
     args = build_parser(probe, description, with_profile).parse_args(argv)
     base = make_default(profile=args.profile) if with_profile else probe
     flat_defaults = flatten(base)
     given = {
-        k: _parse_value(v, flat_defaults[k]) for k, v in vars(args).items() if k != "profile" and v is not None
+        k: _parse_value(v, flat_defaults[k])
+        for k, v in vars(args).items() if k not in ("profile", "debug") and v is not None
     }
     try:
-        return type(base).model_validate(_deep_merge(base.model_dump(), unflatten(given)))
+        cfg = type(base).model_validate(_deep_merge(base.model_dump(), unflatten(given)))
     except ValidationError as e:
-        raise SystemExit(f"invalid configuration:\n{e}") from None
+        raise InvalidConfig(validation_problems(e)) from e
+    problems = missing_path_problems(path_fields(cfg))
+    named = {p.field for p in problems}  # a check may say the same of a missing folder, in its own words
+    problems += [p for p in (check(cfg) if check else []) if p.field not in named]
+    if problems:
+        raise InvalidConfig(problems)
+    return cfg
+
+
+def problems_of(check: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Problem]:
+    """The problems of a check that raises :class:`InputError` (a preflight), as a list: empty when it passes."""
+    try:
+        check(*args, **kwargs)
+    except InputError as e:
+        return e.problems
+    return []
+
+
+def error_lines(e: BaseException) -> list[str]:
+    """``error: ...`` lines for a refusal: one per problem when it lists them, else its message on one line."""
+    problems = getattr(e, "problems", None)
+    if isinstance(e, (InvalidConfig, InputError)) and problems:
+        return [f"error: {' '.join(str(p).split())}" for p in problems]
+    return [f"error: {' '.join(str(e).split()) or type(e).__name__}"]
+
+
+class _NoRefusalTracebacks(logging.Filter):
+    """Prefect logs an exception raised in a flow or task with its traceback; for a refusal the error lines say it
+    all, so the record keeps its one-line message (console and Prefect UI) and loses the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], USER_ERRORS):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+@contextmanager
+def _refusals_without_tracebacks() -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in ("prefect.flow_runs", "prefect.task_runs")]
+    quiet = _NoRefusalTracebacks()
+    for lg in loggers:
+        lg.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
+
+
+def run_main(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
+    """Run an entry point ``main(argv)``; returns the exit code: 0 done, 2 refused (:data:`USER_ERRORS`, printed as
+    ``error: ...`` lines on stderr) or argparse's own code (``--help``, a usage error). ``--debug`` in ``argv``
+    re-raises a refusal with its traceback; any other exception is a bug and always propagates."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = DEBUG in argv
+    try:
+        with nullcontext() if debug else _refusals_without_tracebacks():
+            main(argv)
+    except USER_ERRORS as e:
+        if debug and not isinstance(e, InvalidConfig):
+            raise
+        if debug:  # a SystemExit: re-raised, Python would print its message without the traceback
+            traceback.print_exc()
+        for line in error_lines(e):
+            print(line, file=sys.stderr)
+        return 2
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:  # argparse: --help (0) or a usage error (2), already printed
+            return e.code or 0
+        raise
+    return 0

@@ -5,12 +5,19 @@
     .opd/checkpoints/  merge checkpoints, one folder per merge, to resume after a kill (tasks/checkpoint.py)
     .opd/registry.json the teacher registry
     .opd/mlflow.db     MLflow tracking (sqlite) and .opd/mlartifacts/ its artifacts
-    .opd/prefect/      PREFECT_HOME: Prefect's database, results and task cache
+    .opd/prefect/      PREFECT_HOME: Prefect's database, and in prefect/storage/ its task results and cache records
+    .opd/matplotlib/   MPLCONFIGDIR: matplotlib's font cache
+    .opd/huggingface/  HF_HOME: the Hugging Face hub and datasets caches
+
+:func:`state_env` is what ``tasks/__init__.py`` puts in the environment (never over a value the user set) before
+anything imports prefect, mlflow, matplotlib or datasets; :func:`state_cache_policy` keys cached tasks on this folder
+too, so two checkouts never hand each other their worlds, bases or specialists.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -32,3 +39,40 @@ def models_dir() -> Path:
 
 def world_dir() -> Path:
     return state_dir() / "world"
+
+
+def state_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables (of those ``env`` lacks) that keep every tool's records under :func:`state_dir`: Prefect's home and
+    result storage, matplotlib's cache, the Hugging Face caches; MLflow's usage telemetry off (it writes
+    ``~/.config/mlflow/telemetry.json`` and calls home; ``MLFLOW_DISABLE_TELEMETRY=false`` opts in)."""
+    root = state_dir()
+    out = {
+        "PREFECT_HOME": str(root / "prefect"),
+        "MPLCONFIGDIR": str(root / "matplotlib"),
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
+    # Two names for one Prefect setting, and the first one set wins: a user's value under either name stands. Without
+    # one, results go to $PREFECT_HOME/storage as read when prefect is imported: ~/.prefect/storage for any entry point
+    # that imports prefect before this package.
+    if not env.get("PREFECT_RESULTS_LOCAL_STORAGE_PATH") and not env.get("PREFECT_LOCAL_STORAGE_PATH"):
+        results = str(root / "prefect" / "storage")
+        out["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = out["PREFECT_LOCAL_STORAGE_PATH"] = results
+    if not env.get("HF_HOME"):
+        # Hub downloads and datasets' cache (HF_DATASETS_CACHE defaults to $HF_HOME/datasets) go to the state; a token
+        # saved by `hf auth login` is still read from where the login put it.
+        cache = Path(env.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser())
+        out["HF_HOME"] = str(root / "huggingface")
+        out["HF_TOKEN_PATH"] = str(cache / "huggingface" / "token")
+    return {k: v for k, v in out.items() if not env.get(k)}
+
+
+def _state_key(task_ctx, inputs) -> str:
+    return str(state_dir())
+
+
+def state_cache_policy():
+    """``INPUTS + TASK_SOURCE`` plus the state folder: a cached task's key names the folder its result lives in, so a
+    result made for another checkout or ``$OPD_HOME`` is never handed back here, wherever Prefect keeps its records."""
+    from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
+
+    return INPUTS + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_state_key)

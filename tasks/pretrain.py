@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.config import PretrainConfig
 from tasks.log import say
 from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for
 from tasks.evaluate import evaluate_routes
 from tasks.models import create_model, save_model
-from tasks.paths import models_dir
+from tasks.paths import models_dir, state_cache_policy
 from tasks.tokenizer import load_tokenizer
 from tasks.train import train_sft
 from tasks.tracking import config_params, end_run, log_metrics, start_run
@@ -33,7 +32,7 @@ def cached(task_fn, path_of, *args):
     return res
 
 
-@task(name="build-world", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+@task(name="build-world", cache_policy=state_cache_policy(), persist_result=True)
 def _build_world(cfg) -> str:
     return str(build_world(cfg))
 
@@ -49,7 +48,7 @@ def pretrain_base(cfg: PretrainConfig, world_path: str) -> dict:
     return cached(_pretrain_base, lambda res: res["uri"], cfg, world_path)
 
 
-@task(name="pretrain-base", cache_policy=INPUTS + TASK_SOURCE, persist_result=True)
+@task(name="pretrain-base", cache_policy=state_cache_policy(), persist_result=True)
 def _pretrain_base(cfg: PretrainConfig, world_path: str) -> dict:
     tok = load_tokenizer(Path(world_path) / "tokenizer")
     train = load_prompts(world_path)["train"]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from tasks.log import say
 from tasks.config import RLConfig, TrainConfig
@@ -21,7 +20,7 @@ from tasks.data import load_prompts, max_new_tokens_for
 from tasks.evaluate import RouteScore, evaluate_route
 from tasks.faults import fault
 from tasks.models import load_model, save_model
-from tasks.paths import models_dir
+from tasks.paths import models_dir, state_cache_policy
 from tasks.tokenizer import load_tokenizer
 from tasks.tracking import config_params, end_run, log_metrics, start_run, tracking_uri
 
@@ -70,12 +69,12 @@ def train_rl(model, tok, route: str, tr, ev, cap: int, rl: RLConfig, run_id: str
 
 
 # Cached on every input (the base is identified by its weights' fingerprint, not its path; the recipe by its type and
-# fields, so sft and rl never share an entry) and on this code: a rerun with the same inputs returns the finished
-# specialist without training it again.
+# fields, so sft and rl never share an entry), on this code and on the state folder: a rerun with the same inputs
+# returns the finished specialist without training it again.
 @task(
     name="train-specialist",
     task_run_name="train-specialist-{route}",
-    cache_policy=INPUTS + TASK_SOURCE,
+    cache_policy=state_cache_policy(),
     persist_result=True,
     retries=0,
 )

@@ -2,3 +2,5 @@
 
 CLI: ``python -m teachers --help``.
 """
+
+import tasks  # noqa: F401  (first: the state folder's Prefect/MLflow settings, before either is imported)

@@ -1,14 +1,16 @@
 """Command line for the teacher registry.
 
     python -m teachers list
-    python -m teachers register --name shift-high-v2 --route shift-high --model-uri ./ckpt [--eval-score 0.97]
-                                [--no-mlflow]   # also a version of MLflow model teacher-<route> unless --no-mlflow
+    python -m teachers register --name shift-high-v2 --route shift-high --model_uri ./ckpt [--eval_score 0.97]
+                                [--no_mlflow]   # also a version of MLflow model teacher-<route> unless --no_mlflow
     python -m teachers show shift-high-v2
     python -m teachers remove shift-high-v2
     python -m teachers --registry /tmp/reg.json list      # another registry file (default: $OPD_REGISTRY or .opd/)
 
-``register`` checks the checkpoint against the student tokenizer (``--student-tokenizer``, default
-``.opd/world/tokenizer`` written by the pipeline) before writing. Errors print one line to stderr and exit 2.
+Flags are spelled as in the flows (``python -m flows.register --model_uri ...``): underscores, the field names.
+``register`` checks the checkpoint against the student tokenizer (``--student_tokenizer``, default
+``.opd/world/tokenizer`` written by the pipeline) before writing. A refusal prints ``error: ...`` lines to stderr
+(the file or field, what was found, what was expected) and exits 2; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -18,50 +20,66 @@ import json
 import sys
 from pathlib import Path
 
+from tasks.cli import DEBUG, DEBUG_HELP, missing_path_problems, run_main
 from tasks.paths import world_dir
-from teachers.registry import Provenance, RegistryError, TeacherRegistry
+from tasks.preflight import CONFIG, InputError, Problem
+from teachers.registry import Provenance, TeacherRegistry
 from tasks.table import format_table
+
+COMMAND_LINE = "command line"  # the ``file`` of a problem in this CLI's flags
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m teachers", description="Manage the teacher registry.")
+    debug = argparse.ArgumentParser(add_help=False)  # accepted before or after the command
+    debug.add_argument(DEBUG, action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    p = argparse.ArgumentParser(prog="python -m teachers", description="Manage the teacher registry.", parents=[debug])
     p.add_argument("--registry", type=Path, default=None,
                    help="registry file (default: $OPD_REGISTRY or .opd/registry.json)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    reg = sub.add_parser("register", help="check a checkpoint against the student tokenizer and add it")
+    reg = sub.add_parser("register", help="check a checkpoint against the student tokenizer and add it",
+                         parents=[debug])
     reg.add_argument("--name", required=True, help="unique slug, e.g. shift-high-v2")
     reg.add_argument("--route", required=True, help="route served, <domain>-<budget>")
-    reg.add_argument("--model-uri", required=True, help="checkpoint folder or hub id (HF config + tokenizer)")
-    reg.add_argument("--student-tokenizer", default=None, help="path or hub id (default: <state dir>/world/tokenizer)")
-    reg.add_argument("--eval-score", type=float, default=None, help="accuracy on its route, in [0, 1]")
+    reg.add_argument("--model_uri", required=True, help="checkpoint folder or hub id (HF config + tokenizer)")
+    reg.add_argument("--student_tokenizer", default=None, help="path or hub id (default: <state dir>/world/tokenizer)")
+    reg.add_argument("--eval_score", type=float, default=None, help="accuracy on its route, in [0, 1]")
     reg.add_argument("--replace", action="store_true", help="overwrite a teacher of the same name")
-    reg.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
+    reg.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
     reg.add_argument("--endpoint", default="", help="vLLM OpenAI-compatible server serving this checkpoint "
                      "(http://host:port); its log-probs are checked against the checkpoint before registering")
-    reg.add_argument("--parity-tol", type=float, default=1e-3,
+    reg.add_argument("--parity_tol", type=float, default=1e-3,
                      help="largest |log p| gap allowed between the endpoint and the checkpoint's fp32 forward "
                      "(a bf16 server needs ~0.05)")
-    reg.add_argument("--no-mlflow", action="store_true",
+    reg.add_argument("--no_mlflow", action="store_true",
                      help="do not also register it in the MLflow model registry (model teacher-<route>)")
 
-    sub.add_parser("list", help="table of all teachers")
-    show = sub.add_parser("show", help="one teacher as JSON")
+    sub.add_parser("list", help="table of all teachers", parents=[debug])
+    show = sub.add_parser("show", help="one teacher as JSON", parents=[debug])
     show.add_argument("name")
-    rm = sub.add_parser("remove", help="delete a teacher from the registry (the checkpoint stays)")
+    rm = sub.add_parser("remove", help="delete a teacher from the registry (the checkpoint stays)", parents=[debug])
     rm.add_argument("name")
     return p
 
 
-def _student_tokenizer(arg: str | None) -> str:
-    if arg is not None:
-        return arg
+def student_tokenizer_problems(given: str | None, file: str = CONFIG) -> list[Problem]:
+    """No student tokenizer given means the pipeline's (``<state dir>/world/tokenizer``), which must exist then."""
     default = world_dir() / "tokenizer"
-    if not default.exists():
-        raise RegistryError(
-            f"no student tokenizer at {default}: pass --student-tokenizer PATH_OR_ID or run the pipeline first"
-        )
-    return str(default)
+    if given or default.exists():
+        return []
+    return [Problem(file, "student_tokenizer", f"not given, and no student tokenizer at {default}; expected "
+                    "--student_tokenizer PATH_OR_ID, or run the pipeline first (python -m flows.pipeline)")]
+
+
+def _register_input(args: argparse.Namespace) -> str:
+    """Refuse what can be told without loading anything (paths that do not exist, no student tokenizer), all at once;
+    returns the student tokenizer to check against."""
+    problems = missing_path_problems({"model_uri": args.model_uri, "student_tokenizer": args.student_tokenizer},
+                                     COMMAND_LINE)
+    problems += student_tokenizer_problems(args.student_tokenizer, COMMAND_LINE)
+    if problems:
+        raise InputError(problems, COMMAND_LINE)
+    return args.student_tokenizer or str(world_dir() / "tokenizer")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -71,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
             args.name,
             args.route,
             args.model_uri,
-            _student_tokenizer(args.student_tokenizer),
+            _register_input(args),
             eval_score=args.eval_score,
             provenance=Provenance(source="cli"),
             replace=args.replace,
@@ -102,15 +120,5 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 2 usage or registry error)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # argparse exits on --help and usage errors; callers of main() want the code
-        return int(e.code or 0)
-    try:
-        run(args)
-    except (RegistryError, ValueError, OSError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    return 0
+    """Run the CLI; returns the exit code (0 ok, 2 usage or registry error: ``error: ...`` lines on stderr)."""
+    return run_main(lambda a: run(build_parser().parse_args(a)), argv)

@@ -22,9 +22,59 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 collect_ignore = [] if HAVE_VLLM else ["test_vllm.py"]
 
 
+# infra/run-tests.sh sets OPD_REQUIRE_VLLM=1 for its vLLM tier: there a missing vllm, or a tier in which no vLLM test
+# passed, fails the run loudly instead of ending as "no tests collected" (which a wrapper could take for success).
+REQUIRE_VLLM = os.environ.get("OPD_REQUIRE_VLLM") == "1"
+
+
 def pytest_report_header(config):
     if not HAVE_VLLM:
         return "vllm is not importable here: tests/test_vllm.py is left out (it runs in .venv-vllm, see infra/run-tests.sh)"
+
+
+def pytest_configure(config):
+    if REQUIRE_VLLM and not HAVE_VLLM:
+        import sys
+
+        raise pytest.UsageError(
+            f"OPD_REQUIRE_VLLM=1 but vllm does not import in {sys.executable}: the vLLM tier cannot run. "
+            "Build it with `make vllm-env` (on GPUs: pip install -e '.[vllm]')")
+
+
+def vllm_outcomes(stats: dict) -> dict[str, int]:
+    """How many tests marked ``vllm`` ended in each outcome (passed, failed, error, skipped), from pytest's
+    terminal-reporter stats; a test counts once, by its call phase (its setup phase when that failed or skipped)."""
+    outcome_of: dict[str, str] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in stats.get(outcome, []):
+            if "vllm" in getattr(report, "keywords", {}) and report.nodeid not in outcome_of:
+                outcome_of[report.nodeid] = outcome
+    counts = dict.fromkeys(("passed", "failed", "error", "skipped"), 0)
+    for outcome in outcome_of.values():
+        counts[outcome] += 1
+    return counts
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Runs before the terminal reporter's summary, and what it leaves in session.exitstatus is the exit code.
+    if not REQUIRE_VLLM:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    counts = session.config._opd_vllm_counts = vllm_outcomes(reporter.stats if reporter else {})
+    if counts["passed"] == 0 and session.exitstatus in (0, 5):
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    counts = getattr(config, "_opd_vllm_counts", None)
+    if counts is None:
+        return
+    ran = counts["passed"] > 0
+    terminalreporter.write_sep("=", "vLLM tests: " + ", ".join(f"{n} {k}" for k, n in counts.items()),
+                               red=not ran, green=ran, bold=True)
+    if not ran:
+        terminalreporter.write_line("ERROR: OPD_REQUIRE_VLLM=1 and no vLLM test passed: the vLLM tier did not run",
+                                    red=True)
 
 
 @pytest.fixture(scope="session")

@@ -249,6 +249,7 @@ def test_skew_alpha_one_is_zero(loss):
     zq, zp = _randn(6, 10, seed=6), _randn(6, 10, seed=7, scale=2.0)
     value = token_divergence(zq, zp, obj)
     grad = _grad(lambda z: token_divergence(z, zp, obj).sum(), zq)
+    assert value.shape == (6,)  # one zero per row
     _close(value, torch.zeros(6), atol=1e-6)
     _close(grad, torch.zeros(6, 10), atol=1e-6)
 
@@ -854,3 +855,202 @@ def test_sft_needs_off_policy_batches_in_the_config():
         OPDConfig(reward_scale=1.5, teacher_backend="vllm")
     with pytest.raises(ValueError, match="reward_scale"):
         OPDConfig(reward_scale=1.5, nproc=2)
+
+
+# ------------------------------------------------------- 12. defaults, messages and edge cases (mutation testing)
+# Each test below pins something `make mutation` showed no other test checked.
+
+
+def test_defaults_are_the_documented_ones():
+    # divergence(): beta = 1/2 and alpha = 0.1 by default (the two-category values of the hand-computed test above).
+    logq = torch.tensor([[0.5, 0.5]], dtype=torch.float64).log()
+    logp = torch.tensor([[0.25, 0.75]], dtype=torch.float64).log()
+    assert divergence(logq, logp, "jsd").item() == pytest.approx(0.033822075568605, abs=1e-14)
+    # alpha = 0.1: m = 0.1 p + 0.9 q = (0.475, 0.525); KL(p || m) = 1/4 ln(0.25/0.475) + 3/4 ln(0.75/0.525)
+    skl = 0.25 * math.log(0.25 / 0.475) + 0.75 * math.log(0.75 / 0.525)
+    assert divergence(logq, logp, "skew_kl").item() == pytest.approx(skl, abs=1e-14)
+    # m = 0.1 q + 0.9 p = (0.275, 0.725); KL(q || m) = 1/2 ln(0.5/0.275) + 1/2 ln(0.5/0.725)
+    srkl = 0.5 * math.log(0.5 / 0.275) + 0.5 * math.log(0.5 / 0.725)
+    assert divergence(logq, logp, "skew_reverse_kl").item() == pytest.approx(srkl, abs=1e-14)
+    # stop_grad is off by default: on a sub-distribution (a truncated top-k support) the plain KL gradient, which
+    # differs there from the stop-gradient surrogate's.
+    zq, zp = _randn(4, 9, seed=70), _randn(4, 9, seed=71, scale=2.0)
+    idx = zp.topk(3, -1).indices
+    logp_k = F.log_softmax(zp, -1).gather(-1, idx)
+
+    def rkl_k(z, **kw):
+        return divergence(F.log_softmax(z, -1).gather(-1, idx), logp_k, "reverse_kl", **kw).sum()
+
+    g_default = _grad(rkl_k, zq)
+    _close(g_default, _grad(lambda z: kl(F.log_softmax(z, -1).gather(-1, idx), logp_k).sum(), zq), atol=1e-7)
+    assert (g_default - _grad(lambda z: rkl_k(z, stop_grad=True), zq)).abs().max() > 1e-2
+    # topk_log_probs(): the tail bucket by default.
+    logq_v = F.log_softmax(zq, -1)
+    got, want = topk_log_probs(logq_v, logp_k, idx), topk_log_probs(logq_v, logp_k, idx, "tail")
+    assert got[0].shape == got[1].shape == (4, 4)
+    _close(got[0], want[0], rtol=0, atol=0)
+    _close(got[1], want[1], rtol=0, atol=0)
+    # policy_gradient_loss(): PPO clipping with eps = 0.2 by default (ratios 1.5 and 0.5 clip to 1.2 and 0.8) ...
+    old = torch.tensor([-1.0, -2.0], dtype=torch.float64)
+    logq_x = old + torch.tensor([1.5, 0.5], dtype=torch.float64).log()
+    _close(policy_gradient_loss(logq_x, old, torch.tensor([1.0, -1.0], dtype=torch.float64)), [-1.2, 0.8], rtol=1e-12)
+    # ... and a truncation cap of 2 (ratio 3 -> 2): -2 * 0.7.
+    logq_3 = old + math.log(3.0)
+    _close(policy_gradient_loss(logq_3, old, torch.tensor([0.7, 0.7], dtype=torch.float64), "truncate"),
+           [-1.4, -1.4], rtol=1e-12)
+
+
+def test_error_messages_list_the_known_choices():
+    z = torch.zeros(1, 3)
+    with pytest.raises(ValueError) as e:
+        divergence(z, z, "sampled_token")
+    assert str(e.value) == ("'sampled_token' is not a full-distribution divergence; "
+                            "known: ['reverse_kl', 'forward_kl', 'jsd', 'skew_kl', 'skew_reverse_kl']")
+    with pytest.raises(ValueError) as e:
+        topk_log_probs(z, z[:, :1], torch.zeros(1, 1, dtype=torch.long), "bogus")
+    assert str(e.value) == "unknown top_k_support 'bogus'; known: ['tail', 'renormalize', 'truncate']"
+    with pytest.raises(ValueError) as e:
+        policy_gradient_loss(torch.zeros(2), torch.zeros(2), torch.ones(2), "bogus")
+    assert str(e.value) == "unknown correction 'bogus'; known: ['clip', 'truncate', 'none']"
+    s, t, mask = _batch()
+    with pytest.raises(ValueError) as e:
+        chunked_objective(s, t, ID, ID, mask, Objective(loss="sft"))
+    assert str(e.value) == "loss 'sft' needs the target tokens (targets_B_T)"
+
+
+def test_extrapolated_head_on_batched_hidden_states_in_the_chunked_objective():
+    # The merge passes it as the teacher head of chunked_objective, which calls heads on [B, C, H] chunks: the
+    # log-softmaxes are over the vocabulary, never over the positions.
+    from tasks.losses import ExtrapolatedHead
+
+    g = torch.Generator().manual_seed(12)
+    B, T, Ht, Hr, V = 2, 5, 4, 3, 6
+    head_t, head_r = torch.nn.Linear(Ht, V), torch.nn.Linear(Hr, V)
+    head = ExtrapolatedHead(head_t, head_r, Ht, 1.5)
+    h_B_T_H = torch.randn(B, T, Ht + Hr, generator=g)
+    with torch.no_grad():
+        ref = 1.5 * torch.log_softmax(head_t(h_B_T_H[..., :Ht]), -1) - 0.5 * torch.log_softmax(head_r(h_B_T_H[..., Ht:]), -1)
+        _close(head(h_B_T_H), ref, rtol=1e-6, atol=1e-6)
+        _close(head(h_B_T_H), head(h_B_T_H.flatten(0, 1)).view(B, T, V), rtol=1e-6, atol=1e-6)
+    zs_B_T_V = _randn(B, T, V, seed=13)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]], dtype=torch.float32)
+    res = chunked_objective(zs_B_T_V, h_B_T_H, ID, head, mask, Objective(loss="forward_kl"), chunk_size=3)
+    _close(res.loss, _direct(zs_B_T_V, ref, mask, Objective(loss="forward_kl")), rtol=1e-5, atol=1e-6)
+
+
+class _RecordingHead(torch.nn.Module):
+    """An identity head that records the shape of every input it is called on."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def forward(self, x):
+        self.shapes.append(tuple(x.shape))
+        return x
+
+
+def test_default_chunk_is_64_positions_and_empty_chunks_are_skipped():
+    # Peak memory is O(B * chunk_size * V): with the default chunk_size each head sees at most 64 positions at once.
+    B, T, V = 2, 130, 5
+    s, t = _randn(B, T, V, seed=80), _randn(B, T, V, seed=81)
+    mask = torch.ones(B, T)
+    head_s, head_t = _RecordingHead(), _RecordingHead()
+    res = chunked_objective(s, t, head_s, head_t, mask, Objective())
+    assert head_s.shapes == head_t.shapes == [(B, 64, V), (B, 64, V), (B, 2, V)]
+    _close(res.loss, _direct(s, t, mask, Objective()), rtol=1e-6, atol=1e-7)
+    # A chunk without a masked position is skipped, the chunks after it still count.
+    mask = torch.zeros(B, 7)
+    mask[:, 4:] = 1
+    mask[1, 5] = 0
+    s, t = s[:, :7], t[:, :7]
+    head_s = _RecordingHead()
+    res = chunked_objective(s, t, head_s, ID, mask, Objective(loss="jsd"), chunk_size=2)
+    assert head_s.shapes == [(B, 2, V), (B, 1, V)]  # positions 4-5 and 6; 0-1 and 2-3 have nothing to score
+    _close(res.loss, _direct(s, t, mask, Objective(loss="jsd")), rtol=1e-6, atol=1e-7)
+    assert res.tokens_B.tolist() == [3.0, 2.0]
+
+
+def test_a_single_token_and_no_token_at_all():
+    s, t, _ = _batch()
+    obj = Objective(loss="reverse_kl")
+    one = torch.zeros(3, 7)
+    one[2, 4] = 1.0
+    res = chunked_objective(s, t, ID, ID, one, obj, chunk_size=3)
+    # One masked token: the loss is that token's divergence (normalised by 1 token, not by a floor above it).
+    _close(res.loss, token_divergence(s[2, 4][None], t[2, 4][None], obj)[0], rtol=1e-6, atol=0)
+    # None: zero loss and zero per-sequence sums and diagnostics, each still one row per sequence.
+    empty = chunked_objective(s, t, ID, ID, torch.zeros(3, 7), obj)
+    assert empty.loss.item() == 0.0
+    for x, shape in ((empty.loss_sum_B, (3,)), (empty.reverse_kl_sum_B, (3,)), (empty.tokens_B, (3,)),
+                     (empty.diagnostics_B_4, (3, 4))):
+        assert x.shape == shape and not x.any()
+
+
+def test_integer_masks_and_float64_weights_give_the_float_results():
+    # The rollout's masks are integer tensors and weights or rewards may come in float64: the objective computes in
+    # the float32 of the mask it converts, with the same values as all-float32 inputs.
+    s, t, mask = _batch()
+    tokens = _on_policy_tokens(s, seed=3)
+    w, adv = torch.tensor([0.5, 3.0, 2.0]), torch.tensor([0.7, -1.3, 2.0])
+    obj = Objective(loss="jsd", beta=0.3)
+    ref = chunked_objective(s, t, ID, ID, mask, obj, tokens=tokens, seq_adv_B=adv, weight_B=w, chunk_size=3)
+    got = chunked_objective(s, t, ID, ID, mask.long(), obj, tokens=tokens, seq_adv_B=adv.double(),
+                            weight_B=w.double(), chunk_size=3)
+    for a, b in ((got.loss, ref.loss), (got.loss_sum_B, ref.loss_sum_B), (got.tokens_B, ref.tokens_B),
+                 (got.reverse_kl_sum_B, ref.reverse_kl_sum_B), (got.diagnostics_B_4, ref.diagnostics_B_4)):
+        assert a.dtype == torch.float32
+        _close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_teacher_nll_diagnostic_reads_the_targets():
+    s, t, mask = _batch()
+    tokens = _on_policy_tokens(s, seed=4)
+    other = (tokens.targets_B_T + 1) % s.shape[-1]
+
+    def nll_sum(targets):
+        nll = -F.log_softmax(t, -1).gather(-1, targets[..., None]).squeeze(-1)
+        return (nll * mask).sum(-1)
+
+    pg = Objective(loss="sampled_token")
+    # Without targets_B_T the diagnostic uses the tokens' targets ...
+    res = chunked_objective(s, t, ID, ID, mask, pg, tokens=tokens, chunk_size=3)
+    _close(res.diagnostics_B_4[:, 2], nll_sum(tokens.targets_B_T), rtol=1e-5, atol=1e-6)
+    # ... and an explicit targets_B_T wins over them.
+    res = chunked_objective(s, t, ID, ID, mask, pg, tokens=tokens, chunk_size=3, targets_B_T=other)
+    _close(res.diagnostics_B_4[:, 2], nll_sum(other), rtol=1e-5, atol=1e-6)
+    assert (nll_sum(other) - nll_sum(tokens.targets_B_T)).abs().max() > 0.1
+
+
+def test_chunked_truncated_importance_sampling_uses_the_objectives_cap():
+    # Stale behaviour log-probs (ratio 3 at every position) under truncate with cap 1.3: every token's loss is
+    # policy_gradient_loss with that cap, the advantage log p(x) - log q_old(x) at the sampled token.
+    s, t, mask = _batch()
+    fresh = _on_policy_tokens(s, seed=5)
+    stale = TokenInputs(fresh.targets_B_T, fresh.logq_behaviour_B_T - math.log(3.0), fresh.logq_old_B_T)
+    obj = Objective(loss="sampled_token", correction="truncate", ratio_cap=1.3)
+    res = chunked_objective(s, t, ID, ID, mask, obj, tokens=stale, chunk_size=3)
+    x = stale.targets_B_T[..., None]
+    logq_x = F.log_softmax(s, -1).gather(-1, x).squeeze(-1)
+    adv = F.log_softmax(t, -1).gather(-1, x).squeeze(-1) - stale.logq_old_B_T
+    per_tok = policy_gradient_loss(logq_x, stale.logq_behaviour_B_T, adv, "truncate", ratio_cap=1.3)
+    _close(per_tok, -1.3 * adv, rtol=1e-5, atol=1e-6)  # the cap binds everywhere
+    _close(res.loss, (per_tok * mask).sum() / mask.sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_only_when_a_gradient_is_needed(monkeypatch):
+    import tasks.losses as losses
+
+    calls = []
+    real = losses.checkpoint
+    monkeypatch.setattr(losses, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    s, t, mask = _batch()
+    obj = Objective()
+    ref = chunked_objective(s, t, ID, ID, mask, obj, chunk_size=3)  # no input needs a gradient
+    with torch.no_grad():
+        no_grad = chunked_objective(s.clone().requires_grad_(True), t, ID, ID, mask, obj, chunk_size=3)
+    assert calls == []
+    res = chunked_objective(s.clone().requires_grad_(True), t, ID, ID, mask, obj, chunk_size=3)
+    assert len(calls) == 3  # one recomputable chunk per chunk with a masked position (7 positions by 3)
+    _close(no_grad.loss, ref.loss, rtol=0, atol=0)
+    _close(res.loss, ref.loss, rtol=1e-7, atol=0)

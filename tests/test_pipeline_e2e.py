@@ -20,6 +20,11 @@ def quick_run(prefect_server):
     return cfg, pipeline(cfg)
 
 
+# The quick profile's headline figure (README: `make quick`), a regression band on its fixed seeds: on main it has
+# ended at 0.90-0.91 (README); the band is wide for noise across machines and library versions.
+QUICK_MEAN_RETENTION_FLOOR = 0.75
+
+
 def test_student_beats_base_on_every_route(quick_run):
     cfg, result = quick_run
     rows = {r["route"]: r for r in result["rows"]}
@@ -28,6 +33,58 @@ def test_student_beats_base_on_every_route(quick_run):
         assert row["teacher_accuracy"] >= cfg.min_accuracy, route
         assert row["student_accuracy"] > row["base_accuracy"], (route, row)
         assert row["retention"] == pytest.approx(row["student_accuracy"] / row["teacher_accuracy"])
+    print(f"\nquick merge: mean retention {result['mean_retention']:.3f} "
+          f"(floor {QUICK_MEAN_RETENTION_FLOOR}); " + ", ".join(f"{r} {rows[r]['retention']:.3f}" for r in rows))
+    assert result["mean_retention"] >= QUICK_MEAN_RETENTION_FLOOR
+
+
+# ------------------------------------------------------------------ the student follows each route's own teacher
+
+
+def greedy_completions(uri: str, prompts: list[str], cap: int) -> list[str]:
+    from tasks.models import load_model
+    from tasks.rollout import decode_responses, generate
+    from tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(uri)
+    return decode_responses(tok, generate(load_model(uri).eval(), tok, list(prompts), cap, greedy=True))
+
+
+def routes_not_following(student_uri: str, intended: dict[str, str], teachers: dict[str, str], world_path,
+                         tol: float = 0.05) -> dict[str, str]:
+    """Route -> what went wrong, for each route on whose held-out prompts the student's greedy completions agree
+    (whole text, scratchpad included) more often with another teacher than with the one meant for that route
+    (``intended``: route -> teacher name; ``teachers``: name -> checkpoint). Accuracy cannot see this when the two
+    teachers' answers are both right (e.g. with and without a scratchpad): the student must do what its route's
+    teacher does."""
+    from tasks.data import eval_sets, load_prompts, max_new_tokens_for
+
+    from tasks.tokenizer import load_tokenizer
+
+    cap = max_new_tokens_for(load_tokenizer(student_uri), load_prompts(world_path)["train"]["completion"])
+    wrong: dict[str, str] = {}
+    for route, (prompts, _) in eval_sets(world_path).items():
+        if route not in intended:
+            continue
+        student = greedy_completions(student_uri, prompts, cap)
+        agree = {name: sum(a == b for a, b in zip(student, greedy_completions(uri, prompts, cap))) / len(prompts)
+                 for name, uri in teachers.items()}
+        best = max(agree, key=agree.get)
+        if agree[best] > agree[intended[route]] + tol:
+            wrong[route] = (f"the student agrees with {best} on {agree[best]:.2f} of {route}'s held-out prompts, with "
+                            f"its route's teacher {intended[route]} on {agree[intended[route]]:.2f}")
+    return wrong
+
+
+def test_the_student_follows_each_route_own_teacher(quick_run):
+    from tasks.data import build_world
+
+    cfg, result = quick_run
+    registry = TeacherRegistry()
+    teachers = {name: registry.get(name).model_uri for name in result["teachers"]}
+    intended = {r["route"]: r["teacher"] for r in result["rows"]}
+    assert intended == {route: f"spec-{route}" for route in cfg.world.routes}  # the route's own specialist
+    assert routes_not_following(result["student_uri"], intended, teachers, build_world(cfg.world)) == {}
 
 
 def test_mlflow_holds_per_route_metrics_params_and_artifacts(quick_run):
@@ -43,10 +100,13 @@ def test_mlflow_holds_per_route_metrics_params_and_artifacts(quick_run):
         assert 0 <= m[f"topk_overlap/{route}"] <= 1 and 0 <= m[f"repetition/{route}"] < 1
         assert m[f"teacher_nll/{route}"] > 0 and m[f"rollout_length/{route}"] >= 1
         assert 0 <= m[f"pass_at_{cfg.opd.pass_k}/{route}"] <= 1
+        # Every route's retention curve: step 0, every evaluation, the last step; its last point is the table's.
+        history = client.get_metric_history(run.info.run_id, f"retention/{route}")
+        assert [h.step for h in history] == list(range(0, cfg.opd.steps + 1, cfg.opd.eval_every)), route
+        row = next(r for r in result["rows"] if r["route"] == route)
+        assert history[-1].value == pytest.approx(row["retention"]), route
     for name in result["teachers"]:
         assert m[f"teacher_tokens/{name}"] > 0 and m[f"time/teacher_total/{name}"] > 0
-        history = client.get_metric_history(run.info.run_id, f"retention/{route}")
-        assert [m.step for m in history][0] == 0 and history[-1].step == cfg.opd.steps
     assert run.data.metrics["retention/mean"] == pytest.approx(result["mean_retention"])
     assert run.data.params["opd.steps"] == str(cfg.opd.steps)
     assert json.loads(run.data.params["world.routes"]) == cfg.world.routes
@@ -192,3 +252,78 @@ def test_register_teacher_flow_validates_then_writes_registry_and_mlflow(quick_r
         register_teacher(RegisterConfig(name="broken", route=spec.route, model_uri=str(tmp_path / "missing")))
     assert registry.names() == before
     registry.remove("ui-registered")
+
+
+# ------------------------------------------------------------------ a wrong routing table makes a wrong merge
+
+
+@pytest.fixture(scope="module")
+def format_teachers(quick_run):
+    """Two specialists trained on purpose to different answers on the same prompts (rev-low's and rev-high's): one
+    answers only (``cba``), one writes the length first (``3|cba``). The rev verifier checks the text after the last
+    ``|``, so both are right on both routes: only what the student writes tells which one it learned from."""
+    from tasks.data import build_world, load_prompts
+    from tasks.models import load_model, save_model
+    from tasks.paths import models_dir
+    from tasks.tokenizer import load_tokenizer
+    from tasks.train import train_sft
+    from tasks.world import Route, gold_completion
+
+    cfg, result = quick_run
+    world = build_world(cfg.world)
+    tok = load_tokenizer(result["base_uri"])
+    rows = load_prompts(world)["train"].filter(lambda x: x["route"] in ("rev-low", "rev-high"))
+    uris = {}
+    for name, style in (("fmt-answer", "rev-low"), ("fmt-scratchpad", "rev-high")):
+        model = load_model(result["base_uri"])
+        train_sft(model, tok, rows["prompt"], [gold_completion(Route.parse(style), p) for p in rows["problem"]],
+                  cfg.specialist_train, desc=f"teacher {name}")
+        uris[name] = str(save_model(model, tok, models_dir() / "wrong-routing" / name))
+    return world, uris
+
+
+def test_a_swapped_routing_table_makes_the_student_follow_the_wrong_teacher_and_the_check_says_so(quick_run,
+                                                                                                   format_teachers):
+    from flows.merge import merge
+
+    cfg, result = quick_run
+    world, uris = format_teachers
+    sort_uri = TeacherRegistry().get("spec-sort-low").model_uri
+    teachers = {**uris, "spec-sort-low": sort_uri}
+    intended = {"rev-low": "fmt-answer", "rev-high": "fmt-scratchpad", "sort-low": "spec-sort-low"}
+    # The teachers do differ on every rev prompt, whatever the budget tag says.
+    from tasks.data import eval_sets
+
+    for route in ("rev-low", "rev-high"):
+        prompts = eval_sets(world)[route][0]
+        answer, scratch = (greedy_completions(uris[n], prompts, 16) for n in ("fmt-answer", "fmt-scratchpad"))
+        assert sum(a != b for a, b in zip(answer, scratch)) / len(prompts) >= 0.9, route
+    registry = TeacherRegistry()
+    tables = {"right": {"rev-low": "fmt-answer", "rev-high": "fmt-scratchpad"},
+              "swapped": {"rev-low": "fmt-scratchpad", "rev-high": "fmt-answer"}}
+    results, names = {}, []
+    try:
+        for label, table in tables.items():
+            registered = []
+            for route, source in table.items():
+                name = f"{label}-{route}"
+                registry.register_checkpoint(name, route, uris[source], result["base_uri"], replace=True)
+                registered.append(name)
+            names += registered
+            mcfg = cfg.merge(result["base_uri"], [*registered, "spec-sort-low"],
+                             opd={"steps": WRONG_ROUTING_STEPS, "eval_every": WRONG_ROUTING_STEPS},
+                             label=f"routing-{label}").model_copy(update={"experiment": "opd-wrong-routing"})
+            results[label] = merge(mcfg)
+    finally:
+        for name in names:
+            registry.remove(name)
+    right = routes_not_following(results["right"]["student_uri"], intended, teachers, world)
+    swapped = routes_not_following(results["swapped"]["student_uri"], intended, teachers, world)
+    print(f"\nright table: mean retention {results['right']['mean_retention']:.3f}, problems {right}"
+          f"\nswapped table: mean retention {results['swapped']['mean_retention']:.3f}, problems {swapped}")
+    assert right == {}
+    assert sorted(swapped) == ["rev-high", "rev-low"], swapped
+    assert "fmt-scratchpad" in swapped["rev-low"] and "fmt-answer" in swapped["rev-high"]
+
+
+WRONG_ROUTING_STEPS = 200

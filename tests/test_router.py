@@ -56,8 +56,13 @@ def test_named_teachers_used_exactly_unused_one_warned(registry):
     router = Router.from_registry(registry, ["add-high", "rev-low"], ["add-high-v1", "rev-low-a", "sort-high-a"])
     assert router.teacher_for("add-high").name == "add-high-v1"
     assert router.warnings == ["teacher 'sort-high-a' serves route 'sort-high', which no prompt uses"]
-    with pytest.raises(RoutingError, match="'add-high-v2' and 'add-high-v1' both serve route 'add-high'"):
+    with pytest.raises(RoutingError) as info:
         Router.from_registry(registry, ["add-high"], ["add-high-v2", "add-high-v1"])
+    assert str(info.value) == ("teachers 'add-high-v2' and 'add-high-v1' both serve route 'add-high'; "
+                               "expected at most one named teacher per route")
+    # A name given twice is one teacher, not two on one route.
+    twice = Router.from_registry(registry, ["add-high"], ["add-high-v1", "add-high-v1"])
+    assert twice.teacher_for("add-high").name == "add-high-v1" and twice.warnings == []
     with pytest.raises(TeacherNotFound, match="no teacher 'nope'"):
         Router.from_registry(registry, ["add-high"], ["nope"])
 
@@ -114,3 +119,9 @@ def test_coverage_rows_and_text(registry):
         "rev-low          7  rev-low-a         1.000  /ckpt/rev-low-a",
         "sort-high        0  sort-high-a           -  /ckpt/sort-high-a",
     ]
+
+
+def test_repr_names_each_routes_teacher_sorted_by_route(registry):
+    router = Router.from_registry(registry, ["rev-low", "add-high"])
+    assert repr(router) == "Router({'add-high': 'add-high-v2', 'rev-low': 'rev-low-a'})"
+    assert repr(Router({})) == "Router({})"

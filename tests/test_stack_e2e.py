@@ -4,6 +4,8 @@ pipeline deployment is triggered through the Prefect REST API with non-default p
 MLflow then holds the run and the registered models. A headless Chromium (Debian's chromium + chromium-driver,
 driven by Selenium) opens the deployment's run form and the MLflow comparison of two merges; screenshots are saved
 under $OPD_TEST_ARTIFACTS (default artifacts/test-screenshots). `infra/stack.sh down` stops everything at the end.
+`PORT=<free> bash infra/ui.sh prefect` runs on its own: the browser shows a flow of that server only, and every API
+call the page makes goes to that port (not the default 4200).
 """
 
 import json
@@ -154,6 +156,70 @@ def wait_for_text(driver, texts: list[str], timeout: float = 60) -> str:
         time.sleep(1)
     missing = [t for t in texts if t not in body]
     pytest.fail(f"{driver.current_url}: {missing} not shown after {timeout}s; page text starts: {body[:500]!r}")
+
+
+def test_stack_ui_calls_its_api_on_the_stack_port(stack):
+    r = httpx.get(f"{stack['ui']}/ui-settings", timeout=30)
+    r.raise_for_status()
+    assert r.json()["api_url"] == stack["api"]
+
+
+@pytest.fixture
+def prefect_ui_on_another_port(tmp_path):
+    """`PORT=<free> bash infra/ui.sh prefect` from a shell that still points PREFECT_API_URL at a server on the default
+    port (as `eval "$(bash infra/stack.sh env)"` for a default stack leaves it): yields its UI URL."""
+    port = free_port()
+    while port == 4200:
+        port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "OPD_"))}
+    env.update(OPD_HOME=str(tmp_path / "state"), PORT=str(port), PREFECT_API_URL="http://127.0.0.1:4200/api")
+    log = open(tmp_path / "prefect-ui.log", "w")
+    proc = subprocess.Popen(["bash", "infra/ui.sh", "prefect"], cwd=PROJECT_ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    ui = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                if httpx.get(f"{ui}/api/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp_path / "prefect-ui.log").read_text()[-3000:]
+            assert time.time() - t0 < 180, "prefect server not healthy after 180 s"
+            time.sleep(1)
+        yield ui
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+        log.close()
+
+
+def test_prefect_ui_on_another_port_calls_its_api_on_that_port(prefect_ui_on_another_port):
+    ui = prefect_ui_on_another_port
+    settings = httpx.get(f"{ui}/ui-settings", timeout=30).json()
+    assert settings["api_url"] == f"{ui}/api", settings
+    flow_name = f"ui-port-check-{ui.rsplit(':', 1)[1]}"  # exists only on this server: rendering it proves the calls
+    r = httpx.post(f"{ui}/api/flows/", json={"name": flow_name}, timeout=30)
+    r.raise_for_status()
+    httpx.post(f"{ui}/api/flow_runs/", json={"flow_id": r.json()["id"], "name": "ui-port-check-run"},
+               timeout=30).raise_for_status()
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    driver = chromium()
+    try:
+        driver.get(f"{ui}/flows")
+        wait_for_text(driver, [flow_name])
+        driver.save_screenshot(str(SHOTS / "prefect-ui-other-port.png"))
+        api_calls = driver.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name).filter(n => n.includes('/api/'))")
+    finally:
+        driver.quit()
+    assert api_calls, "the page made no API calls"
+    assert all(u.startswith(f"{ui}/api/") for u in api_calls), [u for u in api_calls if not u.startswith(ui)]
 
 
 def test_browser_shows_the_run_form_and_the_mlflow_comparison(stack, pipeline_run, second_merge):

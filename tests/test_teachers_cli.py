@@ -36,9 +36,9 @@ def test_cli_round_trip(tmp_path, ckpt, capsys):
     reg = str(tmp_path / "registry.json")
     student = str(save_tokenizer(build_char_tokenizer(), tmp_path / "student-tok"))
     register = ["--registry", reg, "register", "--name", "add-high-v1", "--route", "add-high",
-                "--model-uri", str(ckpt), "--student-tokenizer", student]
+                "--model_uri", str(ckpt), "--student_tokenizer", student]
 
-    assert main([*register, "--eval-score", "0.5"]) == 0
+    assert main([*register, "--eval_score", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "registered add-high-v1 (route add-high" in out
     # Also a version of the route's model in the MLflow model registry, with @active on it.
@@ -63,7 +63,7 @@ def test_cli_round_trip(tmp_path, ckpt, capsys):
     assert main(register) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: teacher 'add-high-v1' is already in") and err.count("\n") == 1
-    assert main([*register, "--replace", "--eval-score", "0.75", "--no-mlflow"]) == 0
+    assert main([*register, "--replace", "--eval_score", "0.75", "--no_mlflow"]) == 0
     assert "MLflow" not in capsys.readouterr().out
     assert TeacherRegistry(reg).get("add-high-v1").eval_score == 0.75
 
@@ -76,18 +76,18 @@ def test_cli_round_trip(tmp_path, ckpt, capsys):
 
 def test_cli_register_errors_are_one_line(tmp_path, ckpt, capsys):
     reg = str(tmp_path / "registry.json")
-    base = ["--registry", reg, "register", "--name", "t", "--model-uri", str(ckpt)]
+    base = ["--registry", reg, "register", "--name", "t", "--model_uri", str(ckpt)]
 
-    # No --student-tokenizer and no pipeline state yet.
+    # No --student_tokenizer and no pipeline state yet.
     assert main([*base, "--route", "add-high"]) == 2
     err = capsys.readouterr().err
-    assert "pass --student-tokenizer" in err and "run the pipeline first" in err and err.count("\n") == 1
+    assert "--student_tokenizer PATH_OR_ID" in err and "run the pipeline first" in err and err.count("\n") == 1
 
     # The pipeline's tokenizer location is the default.
     save_tokenizer(build_char_tokenizer(), tmp_path / "opd" / "world" / "tokenizer")
     assert main([*base, "--route", "bad_route"]) == 2
     assert "not of the form '<domain>-<budget>'" in capsys.readouterr().err
-    assert main([*base, "--route", "add-high", "--eval-score", "3"]) == 2
+    assert main([*base, "--route", "add-high", "--eval_score", "3"]) == 2
     assert "eval_score: Input should be less than or equal to 1" in capsys.readouterr().err
     assert not Path(reg).exists()
     assert main([*base, "--route", "add-high"]) == 0
@@ -109,3 +109,19 @@ def test_cli_as_subprocess(tmp_path):
     missing = run("show", "nope")
     assert missing.returncode == 2
     assert missing.stderr == f"error: no teacher 'nope' in {reg.path}; available: ['rev-low-a']\n"
+
+
+def test_cli_flags_are_spelled_as_the_flows(capsys):
+    # One spelling on every command line: the pydantic field names of the register-teacher flow (also MLflow params
+    # and prefect.yaml keys), so `python -m teachers register` and `python -m flows.register` take the same flags.
+    from flows.register import RegisterConfig
+    from teachers.cli import build_parser
+
+    register = build_parser()._subparsers._group_actions[0].choices["register"]
+    flags = {o for a in register._actions for o in a.option_strings if o.startswith("--")}
+    for field in ("name", "route", "model_uri", "student_tokenizer", "eval_score", "replace", "trust_remote_code",
+                  "endpoint"):
+        assert field in RegisterConfig.model_fields and f"--{field}" in flags, field
+    assert {"--parity_tol", "--no_mlflow", "--debug"} <= flags and not any("-" in f[2:] for f in flags), flags
+    assert main(["register", "--name", "t", "--route", "add-high", "--model-uri", "/x"]) == 2
+    assert "--model_uri" in capsys.readouterr().err  # argparse: the required flag, in its one spelling

@@ -1,0 +1,73 @@
+"""Retention and pass@k, the numbers the merge reports per route: ``tasks.evaluate.retention``,
+``tasks.evaluate.pass_at_k`` and ``tasks.merge.route_metrics``, against values computed by hand.
+``python -m pytest tests/test_retention.py -q``"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tasks.evaluate import RouteScore, pass_at_k, retention
+from tasks.merge import route_metrics
+
+
+def test_retention_is_student_over_teacher_and_zero_for_a_teacher_at_zero():
+    assert retention(0.45, 0.9) == pytest.approx(0.5, abs=1e-15)
+    assert retention(0.9, 0.9) == 1.0
+    assert retention(0.6, 0.4) == pytest.approx(1.5, abs=1e-15)  # a student above its teacher: above 1, not capped
+    assert retention(0.0, 0.7) == 0.0
+    assert retention(0.3, 0.0) == 0.0 and retention(0.0, 0.0) == 0.0  # no division by zero
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (10, 3, 1, 0.3),  # pass@1 is the fraction right
+    (5, 1, 2, 1 - 6 / 10),  # 1 - C(4, 2) / C(5, 2)
+    (3, 1, 2, 1 - 1 / 3),  # 1 - C(2, 2) / C(3, 2): n - c == k, the last case the product computes
+    (6, 2, 3, 1 - 4 / 20),  # 1 - C(4, 3) / C(6, 3)
+    (4, 0, 2, 0.0),  # nothing right
+    (4, 4, 2, 1.0),  # everything right
+    (3, 2, 2, 1.0),  # n - c < k: every draw of k holds a right one
+    (4, 1, 4, 1.0),  # k = n
+    (1, 0, 1, 0.0),
+    (1, 1, 1, 1.0),
+])
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_matches_the_binomial_formula():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1.0 - math.comb(n - c, k) / math.comb(n, k)
+                assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12), (n, c, k)
+
+
+@pytest.mark.parametrize("n,c,k", [(4, -1, 2), (4, 5, 2), (4, 2, 0), (4, 2, 5), (0, 0, 1), (4, -1, 0)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError) as info:
+        pass_at_k(n, c, k)
+    assert str(info.value) == f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}"
+
+
+def test_route_metrics_per_route_and_means():
+    scores = {
+        "add-high": RouteScore(accuracy=0.6, response_length=12.0, truncated=0.0, n=50),
+        "rev-low": RouteScore(accuracy=0.2, response_length=30.0, truncated=0.1, n=40),
+        "sort-high": RouteScore(accuracy=0.5, response_length=3.0, truncated=0.0, n=10),
+    }
+    teacher_acc = {"add-high": 0.8, "rev-low": 0.0, "sort-high": 0.5, "unused": 0.9}
+    m = route_metrics(scores, teacher_acc)
+    expected = {
+        "accuracy/add-high": 0.6, "retention/add-high": 0.75, "response_length/add-high": 12.0,
+        "accuracy/rev-low": 0.2, "retention/rev-low": 0.0, "response_length/rev-low": 30.0,
+        "accuracy/sort-high": 0.5, "retention/sort-high": 1.0, "response_length/sort-high": 3.0,
+        # unweighted means over the routes (not over prompts)
+        "accuracy/mean": 1.3 / 3, "retention/mean": 1.75 / 3, "response_length/mean": 15.0,
+    }
+    assert m.keys() == expected.keys()
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value, abs=1e-12), key
+    with pytest.raises(KeyError):
+        route_metrics(scores, {"add-high": 0.8})  # a route without its teacher's score is an error, not a 0
