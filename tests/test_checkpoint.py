@@ -23,12 +23,16 @@ def test_a_checkpoint_reads_back_what_was_saved_and_only_the_newest_are_kept(tmp
     store = MergeCheckpoints(tmp_path / "m")
     assert store.latest() is None
     for step in (3, 6, 9):
+        rng_saved = torch.get_rng_state()  # what _save writes for this step
         _save(store, step)
+    torch.rand(8)  # the live generator moves on: what reads back must be the saved state, not the current one
+    assert not torch.equal(rng_saved, torch.get_rng_state())
     assert store.latest().name == "step-00000009"
     assert sorted(p.name for p in store.root.glob("step-*")) == ["step-00000006", "step-00000009"][-KEEP:]
     ck = store.load(store.latest())
     assert ck.step == 9 and torch.equal(ck.weights["w"], torch.full((2, 3), 9.0))
-    assert torch.equal(ck.trainer["torch_rng"], torch.get_rng_state()) and ck.state["run_id"] == "r"
+    assert torch.equal(ck.trainer["torch_rng"], rng_saved), "the torch RNG state read back is not the one saved"
+    assert ck.state["run_id"] == "r"
 
 
 def test_an_interrupted_write_is_never_picked_up_and_is_cleaned(tmp_path, monkeypatch):

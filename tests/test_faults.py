@@ -20,6 +20,16 @@ from tasks.tracking import tracking_uri
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(autouse=True)
+def _fresh_fault_counts(monkeypatch):
+    """Fault rules count hits per process and only restart when $OPD_FAULT changes (tasks/faults.py): two tests in a row
+    with the same rule would share its counts, and the second would inject nothing where it means to."""
+    import tasks.faults
+
+    monkeypatch.setattr(tasks.faults, "_counts", {})
+    monkeypatch.setattr(tasks.faults, "_spec_seen", [""])
+
+
 def tiny_merge(short_pipeline, label: str, **opd):
     """The short pipeline's merge cut to a few steps, no gate, a checkpoint every 2 steps, in its own experiment."""
     cfg, res = short_pipeline
@@ -38,6 +48,32 @@ def only_run(experiment: str):
 def history(run_id: str, key: str) -> list[tuple[int, float]]:
     ms = MlflowClient(tracking_uri()).get_metric_history(run_id, key)
     return [(m.step, m.value) for m in sorted(ms, key=lambda m: (m.step, m.timestamp))]
+
+
+def count_updates(monkeypatch) -> list[int]:
+    """Count the merge's optimizer updates in this process (the real update runs; one entry per call)."""
+    import tasks.merge
+
+    calls, real = [], tasks.merge.update_step
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tasks.merge, "update_step", counting)
+    return calls
+
+
+def latest_checkpoint(folder: Path) -> tuple[int, dict]:
+    latest = folder / (folder / "latest").read_text().strip()
+    return json.loads((latest / "state.json").read_text())["step"], load_file(latest / "student.safetensors")
+
+
+def moved_from(final: dict, weights: dict) -> float:
+    """Max abs difference over the tensors both hold (a saved model may drop a tied head)."""
+    common = sorted(set(final) & set(weights))
+    assert common
+    return max((final[k] - weights[k]).abs().max().item() for k in common)
 
 
 def checkpoint_folder(run_id: str) -> Path:
@@ -89,12 +125,17 @@ def test_a_transient_failure_of_the_merge_task_is_retried_from_its_last_checkpoi
     straight = merge(tiny_merge(short_pipeline, "retry-straight", steps=6))
     mcfg = tiny_merge(short_pipeline, "retried", steps=6).model_copy(update={"retries": 1, "retry_delay_seconds": 0})
     monkeypatch.setenv("OPD_FAULT", "update:5=raise")  # an OSError at step 5, once: Prefect retries the task
+    updates = count_updates(monkeypatch)
     retried = merge(mcfg)
     run = only_run("faults-retried")
     assert run.info.status == "FINISHED" and retried["run_id"] == run.info.run_id
+    # The first attempt made 5 updates (the 5th failed), the retry resumed from step 4 and made steps 5 and 6: 7. No
+    # failure would make 6, a retry from scratch 11 (and the same weights: the merge is deterministic).
+    assert len(updates) == 5 + 2, len(updates)
     w1, w2 = (load_file(Path(r["student_uri"]) / "model.safetensors") for r in (straight, retried))
-    assert all(torch.equal(w1[k], w2[k]) for k in w1)  # the retry resumed from step 4, not from scratch
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert history(run.info.run_id, "train/loss") == history(straight["run_id"], "train/loss")
+    assert [s for s, _ in history(run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_failing_specialist_loses_no_other_and_a_transient_failure_is_retried(short_pipeline, monkeypatch):
@@ -139,16 +180,24 @@ def test_a_sharded_merge_that_failed_resumes_to_the_weights_of_one_that_never_st
     straight = merge(tiny_merge(short_pipeline, "fsdp-straight", nproc=2, steps=6))
     mcfg = tiny_merge(short_pipeline, "fsdp-resumed", nproc=2, steps=6)
     monkeypatch.setenv("OPD_FAULT", "update:5=raise")  # both ranks fail at their 5th update, after the checkpoint 4
-    with pytest.raises(InjectedFault):
+    with pytest.raises(InjectedFault, match=r"injected fault at update \(hit 5"):  # rank 0's own, as it is
         merge(mcfg)
     failed = only_run("faults-fsdp-resumed")
     assert failed.info.status == "FAILED"
+    ckpt_step, ckpt_weights = latest_checkpoint(checkpoint_folder(failed.info.run_id))
+    assert ckpt_step == 4
     monkeypatch.delenv("OPD_FAULT")
+    updates = count_updates(monkeypatch)  # rank 0 is this process
     resumed = merge(mcfg)
     assert resumed["run_id"] == failed.info.run_id
+    assert len(updates) == 6 - ckpt_step, len(updates)  # steps 5 and 6 only: resumed, not started over
+    assert [s for s, _ in history(resumed["run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
     w1, w2 = (load_file(Path(r["student_uri"]) / "model.safetensors") for r in (straight, resumed))
     diff = max((w1[k] - w2[k]).abs().max().item() for k in w1)
-    print(f"\nFSDP merge failed at step 5, resumed from step 4: max abs weight diff vs uninterrupted {diff:.1e}")
+    moved = moved_from(w2, ckpt_weights)
+    print(f"\nFSDP merge failed at step 5, resumed from step 4: weights moved {moved:.1e} after the checkpoint, max "
+          f"abs weight diff vs uninterrupted {diff:.1e}")
+    assert moved > 1e-4
     assert diff == 0.0
     # The losses agree to float32 rounding: the student rebuilt from the checkpoint and sharded again computed the
     # first resumed loss 1 ulp apart (seen once) from the same weights; one process is exact (tests/test_resume.py).

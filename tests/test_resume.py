@@ -25,13 +25,18 @@ from safetensors.torch import load_file
 
 from tasks.checkpoint import checkpoints_dir
 from tasks.tracking import tracking_uri
+from tests.test_faults import _fresh_fault_counts, count_updates, latest_checkpoint, moved_from  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 MERGE = {"opd.steps": 10, "opd.cold_start_steps": 4, "opd.batch_size": 8, "opd.lmbda": 0.5, "opd.warmup_steps": 2,
          "opd.checkpoint_every": 3, "opd.eval_every": 6, "opd.gate_threshold": 0.01}
+TOTAL_STEPS = MERGE["opd.cold_start_steps"] + MERGE["opd.steps"]  # optimizer steps, counted across both stages
 TIMEOUT_S = 300
+# The least max abs weight change a resumed merge must make after its checkpoint (a few AdamW steps move the tiny
+# student's weights by ~1e-3 or more; a merge that stopped at its checkpoint moves them by exactly 0).
+MOVED = 1e-4
 
 
 def merge_command(short_pipeline, label: str) -> list[str]:
@@ -77,6 +82,30 @@ def checkpoint_folder(run_id: str) -> Path:
     return folder
 
 
+def tripwire(steps_left: int) -> dict[str, str]:
+    """The environment of a resumed command: a fault at one update more than the steps left after its checkpoint.
+    A merge that ignored its checkpoint and started over in the same run would end with the same weights and metric
+    histories (it is deterministic, and values MLflow already holds are not logged twice): this makes it fail."""
+    return {"OPD_FAULT": f"update:{steps_left + 1}=raise"}
+
+
+def assert_resumed_ok(proc: subprocess.CompletedProcess) -> None:
+    out = proc.stdout + proc.stderr
+    assert "injected fault at update" not in out, ("the resumed merge made more updates than the steps left after its "
+                                                   "checkpoint: it started over\n" + out[-4000:])
+    assert proc.returncode == 0, out[-4000:]
+
+
+def assert_trained_past(run, step: int, weights: dict, total: int = TOTAL_STEPS, uri: str | None = None) -> float:
+    """The resumed run went on from its checkpoint (``step``, ``weights``) to the merge's last step: every step's loss
+    is in MLflow, once, and the student it ended with is not the checkpoint's. Returns the max abs weight change."""
+    steps = [s for s, _ in histories(run.info.run_id, uri)["train/loss"]]
+    assert step < total and steps == list(range(1, total + 1)), (step, total, steps)
+    moved = moved_from(student_weights(run), weights)
+    assert moved > MOVED, f"the resumed merge ended {moved:.1e} from its step-{step} checkpoint: it did not train on"
+    return moved
+
+
 def assert_same_merge(run, reference, uri: str | None = None) -> float:
     """The run finished with the reference's weights and metric histories; returns the max abs weight difference."""
     assert run.info.status == "FINISHED"
@@ -115,18 +144,22 @@ def test_a_merge_killed_anywhere_resumes_into_the_same_run_with_identical_weight
     folder = checkpoint_folder(before.info.run_id)
     latest = (folder / "latest").read_text().strip()
     last_logged = max(s for s, _ in histories(before.info.run_id)["train/loss"])
+    ckpt_step, ckpt_weights = latest_checkpoint(folder)
+    assert ckpt_step <= last_logged < TOTAL_STEPS, (ckpt_step, last_logged)  # killed mid-merge, after a checkpoint
     if point.startswith("checkpoint_write"):
         (half,) = folder.glob(".tmp-*")  # the half-written checkpoint: never picked up
         assert not (half / "state.json").exists() and latest < half.name[len(".tmp-"):]
     t0 = time.perf_counter()
-    resumed = run(cmd, flow_env)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    resumed = run(cmd, {**flow_env, **tripwire(TOTAL_STEPS - ckpt_step)})
+    assert_resumed_ok(resumed)
     (after,) = merge_runs(f"resume-{label}")  # the same run, not a second one
     assert after.info.run_id == before.info.run_id
-    assert after.data.tags["resumed_from"] == latest  # from the checkpoint, not from scratch
+    assert after.data.tags["resumed_from"] == latest  # the tag names the checkpoint; the tripwire shows it resumed
+    moved = assert_trained_past(after, ckpt_step, ckpt_weights)
     diff = assert_same_merge(after, reference)
     print(f"\nkilled at {point} (last step logged {last_logged}), resumed from {latest} in "
-          f"{time.perf_counter() - t0:.1f}s: max abs weight diff vs uninterrupted {diff:.1e}, metric histories equal")
+          f"{time.perf_counter() - t0:.1f}s: weights moved {moved:.1e} after the checkpoint, max abs weight diff vs "
+          f"uninterrupted {diff:.1e}, metric histories equal")
 
 
 # ------------------------------------------------------------------------------------------------ MLflow outage
@@ -174,7 +207,9 @@ def test_mlflow_down_mid_merge_stops_it_clearly_and_the_same_command_resumes(sho
                                                                                tmp_path):
     """The chosen behaviour: MLflow's own HTTP retries (few here, through its MLFLOW_HTTP_REQUEST_* variables), then
     a clear failure before any more work; no buffering. Nothing is lost: the last checkpoint is older than every
-    metric that did not reach MLflow, so the same command redoes and logs them."""
+    metric that did not reach MLflow, so the same command redoes and logs them. "Before any more work" is checked by
+    what the merge did, not by a wall time: a fault rule at step 5's update would have raised had it trained on, no
+    metric past step 3 reached the store, no checkpoint after step 3 was written."""
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
     env = {**flow_env, "MLFLOW_TRACKING_URI": uri, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -183,35 +218,44 @@ def test_mlflow_down_mid_merge_stops_it_clearly_and_the_same_command_resumes(sho
     server = start_mlflow(tmp_path, port)
     try:
         log = open(tmp_path / "merge.log", "w")
-        proc = subprocess.Popen(cmd, env={**env, "OPD_FAULT": "checkpoint_saved:1=stop", "COLUMNS": "400"}, cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        # Stop right after the first checkpoint (step 3); the update of step 5 is a tripwire: the merge must never
+        # get there with MLflow down.
+        proc = subprocess.Popen(cmd, env={**env, "OPD_FAULT": "checkpoint_saved:1=stop,update:5=raise",
+                                          "COLUMNS": "400"}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + TIMEOUT_S
         while not _stopped(proc.pid):  # it stops itself right after its first checkpoint
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "merge.log").read_text()[-4000:]
             time.sleep(0.2)
         stop_mlflow(server)
-        t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGCONT)
-        proc.wait(timeout=120)
-        seconds = time.monotonic() - t0
+        proc.wait(timeout=TIMEOUT_S)  # a bound on the wait, not the behaviour under test
         out = (tmp_path / "merge.log").read_text()
+        assert "injected fault at update (hit 5" not in out, "the merge trained on to step 5 with MLflow down"
         assert proc.returncode == 1, out[-4000:]
         assert "TrackingUnavailable: MLflow at " + uri + " did not take the metrics of step 4" in out, out[-4000:]
         assert "its last checkpoint (step 3" in out and "run the same command again" in out
-        assert seconds < 60, seconds
+        assert "checkpoint at step 6" not in out, out[-4000:]
         folder = Path(re.search(r"checkpoint at step 3 in [\d.]+s: (\S+)", out)[1]).parent
         assert (folder / "latest").read_text().strip() == "step-00000003"
         assert sorted(p.name for p in folder.glob("step-*")) == ["step-00000003"]
-        print(f"\nMLflow down after step 3: the merge failed in {seconds:.1f}s with TrackingUnavailable, "
+        ckpt_step, ckpt_weights = latest_checkpoint(folder)
+        print(f"\nMLflow down after step 3: the merge failed at step 4 with TrackingUnavailable, "
               f"checkpoint {folder.name}/step-00000003 intact")
         server = start_mlflow(tmp_path, port)
-        resumed = run(cmd, env)
-        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        # What reached the store before the outage: steps 1-3, nothing later (no buffered metrics flushed after).
+        run_id = json.loads((folder / "run.json").read_text())["run_id"]
+        stored = histories(run_id, uri)
+        assert [s for s, _ in stored["train/loss"]] == [1, 2, 3], stored["train/loss"]
+        assert max(s for h in stored.values() for s, _ in h) == 3, {k: h[-1] for k, h in stored.items()}
+        resumed = run(cmd, {**env, **tripwire(TOTAL_STEPS - ckpt_step)})
+        assert_resumed_ok(resumed)
         (after,) = merge_runs("resume-mlflow-down", uri)
         assert after.info.run_id == json.loads((folder / "run.json").read_text())["run_id"]
         assert after.data.tags["resumed_from"] == "step-00000003"
+        moved = assert_trained_past(after, ckpt_step, ckpt_weights, uri=uri)
         diff = assert_same_merge(after, reference, uri)
-        print(f"resumed once MLflow was back: max abs weight diff vs uninterrupted {diff:.1e}, metric histories equal")
+        print(f"resumed once MLflow was back: weights moved {moved:.1e} after the checkpoint, max abs weight diff vs "
+              f"uninterrupted {diff:.1e}, metric histories equal")
     finally:
         stop_mlflow(server)
 
@@ -247,15 +291,20 @@ def test_a_resumed_merge_keeps_the_batch_generated_ahead_reused_rollouts_and_the
     import torch
 
     trainer = torch.load(folder / "step-00000004" / "trainer.pt", weights_only=True)
+    ckpt_step, ckpt_weights = latest_checkpoint(folder)
     # The batch for steps 5 and 6, generated ahead during steps 3 and 4 by the student of step 2.
     assert trainer["pending"]["version"] == 2
     monkeypatch.delenv("OPD_FAULT")
+    updates = count_updates(monkeypatch)
     resumed = merge(config("ahead-resumed"))
     assert resumed["run_id"] == failed.info.run_id
+    assert len(updates) == 10 - ckpt_step, len(updates)  # the steps after the checkpoint only: resumed, not started over
     (ref,) = merge_runs("resume-ahead-straight")
     (after,) = merge_runs("resume-ahead-resumed")
     assert after.info.run_id == failed.info.run_id and ref.info.run_id == straight["run_id"]
+    opd = config("ahead-resumed").opd
+    moved = assert_trained_past(after, ckpt_step, ckpt_weights, total=opd.cold_start_steps + opd.steps)
     diff = assert_same_merge(after, ref)
     assert histories(ref.info.run_id)["teachers/evictions"][-1][1] > 0
-    print(f"\noverlap + reuse + 1 resident teacher, failed at step 7, resumed from step 4: max abs weight diff "
-          f"{diff:.1e}, metric histories equal")
+    print(f"\noverlap + reuse + 1 resident teacher, failed at step 7, resumed from step 4: weights moved {moved:.1e} "
+          f"after the checkpoint, max abs weight diff {diff:.1e}, metric histories equal")

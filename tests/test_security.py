@@ -226,15 +226,27 @@ def test_other_names_that_reach_paths_are_patterns():
 
 
 def test_provenance_data_is_only_opened_as_a_world_folder_name(tmp_path, monkeypatch):
+    from tasks.paths import world_dir
     from tasks.preflight import leakage_problems
 
-    outside = tmp_path / "outside"
-    (outside / "prompts").mkdir(parents=True)
-    (outside / "DONE").write_text("ok\n")
-    monkeypatch.setattr("tasks.data.load_prompts", lambda *a: pytest.fail("a crafted provenance.data was opened"))
-    for data in ("../outside", str(outside), "v4-../../x"):
+    # A finished-looking world folder at the end of every crafted value, so that each one would reach it if it were
+    # joined to the worlds folder: "../outside" from world_dir(), the absolute path itself, "v4-../../x" through a
+    # folder literally named "v4-..".
+    worlds = world_dir()
+    targets = {"../outside": worlds.parent / "outside", str(tmp_path / "abs"): tmp_path / "abs",
+               "v4-../../x": worlds / "x"}
+    (worlds / "v4-..").mkdir(parents=True)
+    for data, folder in targets.items():
+        (folder / "prompts").mkdir(parents=True)
+        (folder / "DONE").write_text("ok\n")
+        assert (worlds / data / "DONE").exists(), data  # reachable: only the name check stands in the way
+    opened = []
+    monkeypatch.setattr("tasks.data.load_prompts", lambda *a: opened.append(a) or pytest.fail(
+        f"a crafted provenance.data was opened: {a}"))
+    for data in targets:
         rec = make_record("t", provenance=make_record("t").provenance.model_copy(update={"data": data}))
         assert leakage_problems(rec, ["abc"], "v4-000000000000", "teacher 't'") == []
+    assert opened == []
 
 
 # ------------------------------------------------------------------------------------------------ secrets

@@ -40,4 +40,9 @@ def test_quick_specialists_flow_runs_on_local_ray(prefect_server):
     assert sorted(r.info.run_name for r in runs) == ["specialist-rev-low", "specialist-sort-low"]
     # Trained in Ray worker processes, not in this one (the thread runner would show this process here).
     processes = {r.data.tags["process"] for r in runs}
-    assert f"{socket.gethostname()}:{os.getpid()}" not in processes and len(processes) >= 1
+    here = f"{socket.gethostname()}:{os.getpid()}"
+    assert here not in processes, processes
+    # Each tag names a real process of this host (not a placeholder that would pass the check above by itself).
+    for tag in processes:
+        host, _, pid = tag.rpartition(":")
+        assert host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid(), tag
