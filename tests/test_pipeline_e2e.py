@@ -10,6 +10,7 @@ from flows.specialists import train_specialists
 from tasks.config import pipeline_config
 from tasks.tracking import tracking_uri
 from teachers.registry import TeacherRegistry
+from tests.figures import QUICK_MEAN_RETENTION_FLOOR
 
 pytestmark = pytest.mark.e2e
 
@@ -20,9 +21,6 @@ def quick_run(prefect_server):
     return cfg, pipeline(cfg)
 
 
-# The quick profile's headline figure (README: `make quick`), a regression band on its fixed seeds: on main it has
-# ended at 0.90-0.91 (README); the band is wide for noise across machines and library versions.
-QUICK_MEAN_RETENTION_FLOOR = 0.75
 
 
 def test_student_beats_base_on_every_route(quick_run):

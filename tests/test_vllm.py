@@ -28,6 +28,7 @@ from tasks.losses import Objective, TokenInputs, chunked_objective  # noqa: E402
 from tasks.models import create_model, save_model  # noqa: E402
 from tasks.rollout import forward_hidden, token_logprobs  # noqa: E402
 from tasks.tokenizer import build_char_tokenizer  # noqa: E402
+from tests.figures import QUICK_MEAN_RETENTION_FLOOR  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -226,6 +227,7 @@ def test_merge_with_vllm_rollouts_and_served_teachers_improves_the_student_like_
     for route, row in rows.items():
         assert row["student_accuracy"] > row["base_accuracy"], (route, row)
     assert abs(served["mean_retention"] - hf["mean_retention"]) < 0.1
+    assert min(served["mean_retention"], hf["mean_retention"]) >= QUICK_MEAN_RETENTION_FLOOR
 
 
 @pytest.mark.e2e
