@@ -1,0 +1,115 @@
+"""Verifiers a route spec names (``verify.kind``): each turns (completion, reference, row) into a score in [0, 1],
+1.0 for right. Accuracy counts a prompt right only at 1.0, so a verifier that gives partial credit is reported beside
+the accuracy, never instead of it.
+
+    exact     the completion's final answer equals the reference (whitespace-trimmed; ``case_sensitive``)
+    numeric   both parse as numbers and differ by at most ``tolerance`` (absolute) or ``rel_tolerance``
+    regex     ``pattern``'s ``group`` extracted from the completion (the last match), then compared exactly
+    math      math-verify's parse + verify of the completion against the reference (LaTeX, fractions, sets, ...)
+    function  ``module:function``, the user's own: imported (never eval-ed), called as
+              ``fn(completion: str, reference: str, row: dict) -> bool | float``
+
+``answer_after`` (e.g. ``"|"`` or ``"####"``) keeps only the text after its last occurrence before comparing, so a
+scratchpad or chain of thought before the answer does not count against it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Verifier = Callable[[str, str, Mapping[str, Any]], float]
+
+_FUNCTION_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class VerifierError(ValueError):
+    """A verifier spec that cannot be built (unknown function, bad pattern, missing package)."""
+
+
+def final_answer(completion: str, answer_after: str = "") -> str:
+    """The text a verifier compares: after the last ``answer_after`` (all of it when absent), trimmed."""
+    if answer_after and answer_after in completion:
+        completion = completion.rsplit(answer_after, 1)[1]
+    return completion.strip()
+
+
+def _number(text: str) -> float | None:
+    cleaned = text.strip().replace(",", "").rstrip(".")
+    try:
+        value = float(cleaned)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def exact(case_sensitive: bool = True, answer_after: str = "") -> Verifier:
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        got, want = final_answer(completion, answer_after), str(reference).strip()
+        return float(got == want if case_sensitive else got.casefold() == want.casefold())
+    return verify
+
+
+def numeric(tolerance: float = 1e-6, rel_tolerance: float = 0.0, answer_after: str = "") -> Verifier:
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        got, want = _number(final_answer(completion, answer_after)), _number(str(reference))
+        if got is None or want is None:
+            return 0.0
+        return float(abs(got - want) <= max(tolerance, rel_tolerance * abs(want)))
+    return verify
+
+
+def regex(pattern: str, group: int | str = 1, case_sensitive: bool = True) -> Verifier:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise VerifierError(f"pattern {pattern!r} does not compile: {e}") from None
+    if isinstance(group, int) and group > compiled.groups:
+        raise VerifierError(f"pattern {pattern!r} has {compiled.groups} group(s); group {group} was asked for")
+    if isinstance(group, str) and group not in compiled.groupindex:
+        raise VerifierError(f"pattern {pattern!r} has no group named {group!r}")
+
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        matches = list(compiled.finditer(completion))
+        if not matches:
+            return 0.0
+        got, want = (matches[-1].group(group) or "").strip(), str(reference).strip()
+        return float(got == want if case_sensitive else got.casefold() == want.casefold())
+    return verify
+
+
+def math_verify(answer_after: str = "") -> Verifier:
+    try:
+        from math_verify import parse, verify as mv_verify
+    except ImportError:
+        raise VerifierError("verify.kind 'math' needs the math-verify package: pip install math-verify") from None
+
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        gold = parse(str(reference))
+        answer = parse(final_answer(completion, answer_after))
+        return float(bool(gold) and bool(answer) and mv_verify(gold, answer))
+    return verify
+
+
+def function(target: str) -> Verifier:
+    """The user's ``module:function``, imported; its result is checked to be a bool or a number in [0, 1]."""
+    if not _FUNCTION_RE.match(target):
+        raise VerifierError(f"function {target!r}: expected 'module:function' (e.g. my_project.checks:is_right)")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise VerifierError(f"function {target!r}: module {module_name!r} does not import ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise VerifierError(f"function {target!r}: {module_name} has no callable {attr!r}")
+
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        value = fn(completion, reference, row)
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and 0.0 <= float(value) <= 1.0):
+            return float(value)
+        raise VerifierError(f"verifier {target} returned {value!r}; expected a bool or a number in [0, 1]")
+    return verify

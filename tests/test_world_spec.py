@@ -1,0 +1,72 @@
+"""The built-in world written as a route spec (tasks/world_spec.py) reads back, through the general spec path, as the
+same prompts, splits, gold completions and verdicts as the world itself."""
+
+import random
+
+import pytest
+
+from tasks.config import pipeline_config
+from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for, rows_by_route
+from tasks.spec import load_route_rows, load_spec
+from tasks.tokenizer import build_char_tokenizer
+from tasks.world import Route, verify
+from tasks.world_spec import write_world_spec
+
+
+@pytest.fixture(scope="module")
+def world_and_spec(tmp_path_factory):
+    cfg = pipeline_config("quick", world={"train_size": 300, "eval_size": 60, "routes": [
+        "rev-low", "rev-high", "sort-low", "shift-high", "count-long"]}).world
+    world = build_world(cfg, root=tmp_path_factory.mktemp("worlds"))
+    path = write_world_spec(cfg, world)
+    return cfg, world, path, load_spec(path)
+
+
+def test_the_spec_lists_the_world_routes_with_labels_caps_and_its_verifier(world_and_spec):
+    cfg, world, path, spec = world_and_spec
+    assert [r.name for r in spec.routes] == cfg.routes
+    tok = build_char_tokenizer()
+    train = rows_by_route(load_prompts(world)["train"])
+    for r in spec.routes:
+        route = Route.parse(r.name)
+        assert r.labels == {"domain": route.domain, "budget": route.budget}
+        assert (r.render.kind, r.render.template, r.verify.kind, r.verify.answer_after) == ("format", "{prompt}",
+                                                                                             "exact", "|")
+        # The route's own cap: its longest gold completion, EOS and a margin, as the world's cap is computed.
+        completions = list(train[r.name]["completion"]) + list(rows_by_route(load_prompts(world)["eval"])[r.name][
+            "completion"])
+        assert r.generate.max_new_tokens == max_new_tokens_for(tok, completions)
+    assert write_world_spec(cfg, world) == path  # written once per world
+
+
+def test_rows_read_through_the_spec_are_the_world_splits(world_and_spec):
+    cfg, world, _, spec = world_and_spec
+    held_out = eval_sets(world)
+    train = rows_by_route(load_prompts(world)["train"])
+    for r in spec.routes:
+        rows = load_route_rows(r, spec)
+        assert rows["eval"]["prompt"] == list(held_out[r.name][0]), r.name
+        assert rows["train"]["prompt"] == list(train[r.name]["prompt"]), r.name
+        assert rows["train"]["completion"] == list(train[r.name]["completion"]), r.name
+        assert rows["train"]["answer"] == list(train[r.name]["answer"]), r.name
+
+
+def test_the_spec_verifier_gives_the_world_verdicts(world_and_spec):
+    cfg, world, _, spec = world_and_spec
+    rng = random.Random(0)
+    ev = rows_by_route(load_prompts(world)["eval"])
+    checked = right = 0
+    for r in spec.routes:
+        check = r.verify.build()
+        route = Route.parse(r.name)
+        d = ev[r.name]
+        for problem, answer, gold in zip(d["problem"], d["answer"], d["completion"]):
+            variants = [gold, answer, gold + "x", "|" + answer, gold[:-1], answer[::-1], f"junk|{answer}", ""]
+            cut = rng.randrange(len(gold) + 1)
+            variants.append(gold[:cut] + rng.choice("abc0|") + gold[cut:])
+            for text in variants:
+                world_says = verify(route, problem, text)
+                assert check(text, answer, {}) == float(world_says), (r.name, problem, text)
+                checked += 1
+                right += world_says
+    assert checked > 1000 and 0.2 < right / checked < 0.8  # both verdicts are exercised
