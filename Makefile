@@ -47,14 +47,15 @@ benchmark: setup
 # prints the score per file: killed (+ timeout) / all mutants of these functions. MUTATION_JOBS=N runs N workers.
 MUTATION_JOBS ?= 1
 MUTANTS = "tasks.losses.*" "teachers.router.*" "tasks.evaluate.x_retention__mutmut_*" \
-          "tasks.evaluate.x_pass_at_k__mutmut_*" "tasks.merge.x_route_metrics__mutmut_*"
+          "tasks.evaluate.x_pass_at_k__mutmut_*" "tasks.evaluate.x_route_mean__mutmut_*" \
+          "tasks.evaluate.x_mean_retention__mutmut_*" "tasks.merge.x_route_metrics__mutmut_*"
 mutation:
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install "mutmut==3.8.1"
 	rm -rf mutants && mkdir mutants
 	OMP_NUM_THREADS=1 $(PY) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS) > mutants/run.log 2>&1 || \
 	  { tail -c 4000 mutants/run.log; exit 1; }
 	@$(PY) -m mutmut results --all true | awk -F': ' ' \
-	  $$1 ~ /^ *(tasks\.losses\.|teachers\.router\.|tasks\.evaluate\.x_(retention|pass_at_k)__|tasks\.merge\.x_route_metrics__)/ { \
+	  $$1 ~ /^ *(tasks\.losses\.|teachers\.router\.|tasks\.evaluate\.x_(retention|pass_at_k|route_mean|mean_retention)__|tasks\.merge\.x_route_metrics__)/ { \
 	    name = $$1; sub(/^ +/, "", name); mod = name; sub(/\.x.*$$/, "", mod); \
 	    n[mod]++; c[mod, $$2]++; N++; C[$$2]++; \
 	    if ($$2 != "killed" && $$2 != "timeout") left = left "  " name ": " $$2 "\n" } \

@@ -18,7 +18,7 @@ from pydantic import Field
 from flows.names import from_parameters, stamp
 from tasks.config import WorldConfig, _Config, pipeline_config
 from tasks.data import eval_sets, load_prompts, max_new_tokens_for
-from tasks.evaluate import evaluate_route, retention
+from tasks.evaluate import evaluate_route, mean_retention, retention
 from tasks.log import link, say
 from tasks.models import load_model
 from tasks.preflight import CONFIG, Problem, registry_problems, routing_problems
@@ -107,7 +107,7 @@ def evaluate(cfg: EvaluateConfig = EvaluateConfig()) -> dict:
         say(f"{r}: model {acc:.3f}, teacher {rec.name} {teacher_acc:.3f}, retention {rows[-1]['retention']:.3f}")
     run_id = start_run(cfg.experiment, _name(cfg), config_params(cfg), {"model_local_path": local})
     metrics = {f"{k}/{row['route']}": row[k] for row in rows for k in ("retention", "model_accuracy")}
-    metrics["retention/mean"] = sum(row["retention"] for row in rows) / len(rows)
+    metrics["retention/mean"] = mean_retention(rows)
     log_metrics(run_id, metrics, 0)
     log_table(run_id, rows, "retention.json")
     end_run(run_id)

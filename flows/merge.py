@@ -19,6 +19,7 @@ from prefect.artifacts import create_table_artifact
 from flows.names import current_run_name, from_parameters, merge_name
 from tasks.log import link, say
 from tasks.config import MergeConfig, pipeline_config
+from tasks.evaluate import mean_retention
 from tasks.merge import TrackingUnavailable, mark_failed, open_merge_run, run_merge
 from tasks.preflight import preflight_merge
 from tasks.pretrain import build_world_task, latest_base
@@ -65,7 +66,7 @@ def merge(cfg: MergeConfig = MergeConfig()) -> dict:
     finally:
         checkpoints.release()
     table = format_retention_table(result["rows"])
-    mean = sum(r["retention"] for r in result["rows"]) / len(result["rows"])
+    mean = mean_retention(result["rows"])
     say(f"retention per route (mean {mean:.3f}):\n{table}")
     create_table_artifact(table=result["rows"], key="retention", description=f"MLflow run {run_id}")
     return {**result, "mean_retention": mean}

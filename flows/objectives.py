@@ -22,6 +22,7 @@ from flows.names import current_run_name, from_parameters, stamp
 from flows.specialists import train_specialists
 from tasks.compare import grouped_bars
 from tasks.config import PipelineConfig, _deep_merge, known_names, pipeline_config
+from tasks.evaluate import route_mean
 from tasks.log import say
 from tasks.table import format_table
 from tasks.tracking import config_params, end_run, log_figure, log_table, start_run, tracking_uri
@@ -69,7 +70,7 @@ def comparison_rows(results: dict[str, dict], minutes: dict[str, float]) -> tupl
     headers = ["variant", *routes, "mean", "minutes"]
 
     def row(label: str, values: list[float], mins: float | None) -> list[Any]:
-        return [label, *values, sum(values) / len(values), mins]
+        return [label, *values, route_mean(values), mins]
 
     rows = [
         row("base (retention)", [r["base_accuracy"] / r["teacher_accuracy"] for r in first], None),
@@ -116,7 +117,8 @@ def compare_objectives(cfg: ObjectivesConfig = ObjectivesConfig()) -> dict:
                           description=f"retention per objective; MLflow run {summary}")
     say(f"retention per route for each objective ({cfg.profile} profile, {cfg.opd.steps} on-policy steps):\n{table}\n"
         f"MLflow summary run {summary} (experiment {cfg.experiment}) in {tracking_uri()}")
-    return {"summary_run_id": summary, "headers": headers, "rows": rows, "results": results, "table": table}
+    return {"summary_run_id": summary, "headers": headers, "rows": rows, "results": results, "table": table,
+            "base_uri": base["uri"]}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from mlflow.tracking import MlflowClient
 
+from tasks.evaluate import route_mean
 from tasks.log import say
 from tasks.tracking import tracking_uri
 from tasks.world import Route
@@ -33,7 +34,7 @@ class Point:
 
     def mean(self, routes: Sequence[str] | None = None) -> float:
         vals = [self.retention[r] for r in (routes if routes is not None else self.retention)]
-        return sum(vals) / len(vals) if vals else float("nan")
+        return route_mean(vals) if vals else float("nan")
 
 
 @dataclass

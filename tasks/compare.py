@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from tasks.evaluate import route_mean
 from tasks.tracking import tracking_uri
 
 
@@ -80,7 +81,7 @@ def grouped_bars(labels: Sequence[str], groups: Sequence[str], values: Sequence[
     cmap = plt.get_cmap("tab20")
     for j, (label, vals) in enumerate(zip(labels, values)):
         present = [(i, v) for i, v in enumerate(vals) if v is not None]
-        mean = sum(v for _, v in present) / len(present) if present else float("nan")
+        mean = route_mean(v for _, v in present) if present else float("nan")
         ax.bar([i - 0.4 + width * (j + 0.5) for i, _ in present], [v for _, v in present], width,
                label=f"{label} ({mean:.2f})", color=cmap(j % 20))
     for i, b in enumerate(baseline or []):

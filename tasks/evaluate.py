@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -98,6 +100,20 @@ def compliance_gate(
 def retention(student_acc: float, teacher_acc: float) -> float:
     """Student score / specialist score on the same prompts and verifier (0 when the teacher scores 0)."""
     return student_acc / teacher_acc if teacher_acc > 0 else 0.0
+
+
+def route_mean(per_route: Mapping[str, float] | Iterable[float]) -> float:
+    """The mean over routes, each route counting once whatever its number of prompts: the one mean behind every
+    ``<metric>/mean`` in MLflow, the tables' mean and the registered student's ``mean_retention``."""
+    values = list(per_route.values() if isinstance(per_route, Mapping) else per_route)
+    if not values:
+        raise ValueError("a mean over no routes")
+    return sum(values) / len(values)
+
+
+def mean_retention(rows: Iterable[Mapping[str, Any]]) -> float:
+    """:func:`route_mean` of the rows' ``retention`` (one row per route, as the merge and evaluate tables have)."""
+    return route_mean(row["retention"] for row in rows)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -48,7 +48,9 @@ from tasks.evaluate import (
     compliance_gate,
     evaluate_route,
     evaluate_routes,
+    mean_retention,
     retention,
+    route_mean,
     sampled_pass_at_k,
 )
 from tasks.losses import DIAGNOSTICS, Objective
@@ -84,8 +86,7 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float]) 
         m[f"retention/{r}"] = retention(s.accuracy, teacher_acc[r])
         m[f"response_length/{r}"] = s.response_length
     for key in ("accuracy", "retention", "response_length"):
-        vals = [m[f"{key}/{r}"] for r in scores]
-        m[f"{key}/mean"] = sum(vals) / len(vals)
+        m[f"{key}/mean"] = route_mean(m[f"{key}/{r}"] for r in scores)
     return m
 
 
@@ -165,9 +166,8 @@ class _Window:
                 m[f"repetition/{r}"] = w["repetition"] / w["rew_seq"]
                 m[f"rollout_length/{r}"] = w["length"] / w["rew_seq"]
         for key in ("divergence", "reverse_kl"):
-            vals = [m[f"{key}/{r}"] for r in self.sums]
-            if vals:
-                m[f"{key}/mean"] = sum(vals) / len(vals)
+            if self.sums:
+                m[f"{key}/mean"] = route_mean(m[f"{key}/{r}"] for r in self.sums)
         self.sums = {}
         return m
 
@@ -603,7 +603,7 @@ def merge_rank(cfg: MergeConfig, world_path: str, router: Router, run_id: str,
     out = save_model(loop.student, loop.tok, models_dir() / "merged" / run_id, state_dict)
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
     log_retention(run_id, rows, out)
-    mean = sum(r["retention"] for r in rows) / len(rows)
+    mean = mean_retention(rows)
     # A merge killed after registering and resumed registers its student once.
     version = registered_version(STUDENT_MODEL, run_id) or register_version(STUDENT_MODEL, run_id, "student", {
         "teachers": ",".join(sorted(set(loop.teacher_of.values()))), "loss": opd.loss, "label": cfg.label,

@@ -59,7 +59,7 @@ def test_every_objective_runs_and_unbiased_ones_improve_on_the_base(comparison):
 def test_sampled_token_improves_on_the_base_in_a_longer_short_merge(comparison):
     cfg, out = comparison
     teachers = [r["teacher"] for r in out["results"]["reverse_kl"]["rows"]]
-    mcfg = cfg.merge("", teachers).model_copy(update={"opd": cfg.opd.model_validate({
+    mcfg = cfg.merge(out["base_uri"], teachers).model_copy(update={"opd": cfg.opd.model_validate({
         **cfg.opd.model_dump(), "loss": "sampled_token", "steps": 600, "eval_every": 600})})
     rows = merge(mcfg)["rows"]
     base = sum(r["base_accuracy"] for r in rows) / len(rows)
@@ -122,7 +122,7 @@ def test_per_route_overrides_run(comparison):
     first = out["results"]["reverse_kl"]
     routes = cfg.world.routes
     teachers = [r["teacher"] for r in first["rows"]]
-    mcfg = cfg.merge("", teachers).model_copy(update={"opd": cfg.opd.model_validate({
+    mcfg = cfg.merge(out["base_uri"], teachers).model_copy(update={"opd": cfg.opd.model_validate({
         **cfg.opd.model_dump(), "steps": 60, "eval_every": 60,
         "route_loss": {routes[0]: "forward_kl", routes[1]: "sampled_token"},
         "route_weights": {routes[2]: 2.0},

@@ -71,3 +71,29 @@ def test_route_metrics_per_route_and_means():
         assert m[key] == pytest.approx(value, abs=1e-12), key
     with pytest.raises(KeyError):
         route_metrics(scores, {"add-high": 0.8})  # a route without its teacher's score is an error, not a 0
+
+
+def test_the_one_mean_over_routes_counts_each_route_once_and_refuses_none():
+    from tasks.evaluate import mean_retention, route_mean
+
+    assert route_mean({"a": 1.0, "b": 0.5, "c": 0.0}) == pytest.approx(0.5)
+    assert route_mean([0.25, 0.75]) == 0.5 and route_mean(x for x in (0.9,)) == 0.9
+    rows = [{"route": "a", "retention": 0.9, "n": 500}, {"route": "b", "retention": 0.6, "n": 5}]
+    assert mean_retention(rows) == pytest.approx(0.75)  # not weighted by prompt counts
+    with pytest.raises(ValueError, match="^a mean over no routes$"):
+        route_mean([])
+    with pytest.raises(ValueError, match="^a mean over no routes$"):
+        mean_retention([])
+
+
+def test_no_other_module_computes_a_mean_over_routes_by_hand():
+    """Mean retention is computed in one place (tasks.evaluate.route_mean): a `sum(...) / len(...)` over retention
+    rows or route metrics anywhere else is a second definition waiting to drift."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    hand_made = re.compile(r"sum\((?:[^()]|\([^()]*\))*retention(?:[^()]|\([^()]*\))*\)\s*/\s*len\(")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.glob("[tf]*/*.py")) if p.parent.name != "tests"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if hand_made.search(line)]
+    assert offenders == []
