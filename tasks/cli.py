@@ -77,12 +77,13 @@ def build_parser(cfg: BaseModel, description: str, with_profile: bool = False) -
     return parser
 
 
-def validation_problems(err: ValidationError, file: str = CONFIG) -> list[Problem]:
-    """One :class:`Problem` per pydantic error: the dotted field, the message and the value given; without the link
-    to pydantic's docs that ``str(err)`` ends each error with."""
+def validation_problems(err: ValidationError, file: str = CONFIG,
+                        field_of: Callable[[tuple], str] | None = None) -> list[Problem]:
+    """One :class:`Problem` per pydantic error: the field (dotted, or as ``field_of(loc)`` names it), the message
+    and the value given; without the link to pydantic's docs that ``str(err)`` ends each error with."""
     problems = []
     for e in err.errors():
-        field = ".".join(map(str, e.get("loc", ()))) or "(config)"
+        field = (field_of(e.get("loc", ())) if field_of else ".".join(map(str, e.get("loc", ())))) or "(config)"
         message = re.sub(r"^(Value|Assertion) error, ", "", e["msg"])
         given = e.get("input")
         if e.get("loc") and not isinstance(given, (dict, list, BaseModel)) and e["type"] != "missing":

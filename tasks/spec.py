@@ -206,17 +206,12 @@ def parse_spec(raw: Any, path: str = "<spec>") -> RouteSpecFile:
     if not isinstance(raw, dict):
         raise InputError([Problem(path, "(spec)", f"a {type(raw).__name__}; expected a mapping with 'routes'")],
                          f"route spec {path}")
+    from tasks.cli import validation_problems
+
     try:
         return RouteSpecFile.model_validate({**raw, "path": path})
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            msg = err["msg"].removeprefix("Value error, ")
-            given = err.get("input")
-            if err["type"] != "missing" and not isinstance(given, (dict, list)):
-                msg += f" (got {given!r})"
-            problems.append(Problem(path, _where(err["loc"], raw), msg))
-        raise InputError(problems, f"route spec {path}") from None
+        raise InputError(validation_problems(e, path, lambda loc: _where(loc, raw)), f"route spec {path}") from None
 
 
 def load_spec(path: str | Path) -> RouteSpecFile:
