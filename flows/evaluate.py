@@ -16,22 +16,23 @@ from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
 from flows.names import from_parameters, stamp
-from tasks.config import WorldConfig, _Config, pipeline_config
-from tasks.data import eval_sets, load_prompts, max_new_tokens_for
+from tasks.config import WorldConfig, _Config, pipeline_config, spec_field
 from tasks.evaluate import evaluate_route, mean_retention, retention
 from tasks.log import link, say
 from tasks.models import load_model
 from tasks.preflight import CONFIG, Problem, registry_problems, routing_problems
-from tasks.pretrain import build_world_task
+from tasks.pretrain import caps_of, prompt_set_task
+from tasks.prompt_set import load_prompt_set
 from tasks.tokenizer import load_tokenizer
 from tasks.tracking import CHAMPION, STUDENT_MODEL, config_params, end_run, log_metrics, log_table, run_url, start_run
 from teachers.registry import TeacherRegistry
-from teachers.router import Router
+from teachers.router import Router, teacher_names
 
 
 class EvaluateConfig(_Config):
     """What to evaluate, on which routes, against which teachers."""
 
+    spec: str = spec_field()
     world: WorldConfig = Field(default_factory=WorldConfig)
     model_uri: str = Field(
         "", description=f"Local path, hub id or MLflow model URI; empty = models:/{STUDENT_MODEL}@{CHAMPION}."
@@ -82,7 +83,7 @@ def input_problems(cfg: EvaluateConfig) -> list[Problem]:
                                     if not cfg.model_uri else f"{found}; expected a registered model version"))
     registry, found = registry_problems()
     problems += found
-    if registry is not None:
+    if registry is not None and not cfg.spec:  # a spec's routes are checked against the registry when it is read
         problems += routing_problems(registry, cfg.world.routes, cfg.teachers)[2]
     return problems
 
@@ -90,18 +91,18 @@ def input_problems(cfg: EvaluateConfig) -> list[Problem]:
 @flow(name="evaluate", flow_run_name=from_parameters(EvaluateConfig, _name))
 def evaluate(cfg: EvaluateConfig = EvaluateConfig()) -> dict:
     """Greedy accuracy per route for the model and each route's teacher; the retention table."""
-    world_path = build_world_task(cfg.world)
     local = resolve_model(cfg.model_uri)
+    ps = load_prompt_set(prompt_set_task(cfg.spec, cfg.world, local))
     tok = load_tokenizer(local)
     model = load_model(local).eval()
-    router = Router.from_registry(TeacherRegistry(), cfg.world.routes, cfg.teachers or None)
-    cap = max_new_tokens_for(tok, load_prompts(world_path)["train"]["completion"])
-    sets = eval_sets(world_path)
+    router = Router.from_registry(TeacherRegistry(), ps.routes, teacher_names(cfg.teachers, ps.spec),
+                                  fill_newest=not cfg.teachers)
+    caps, sets = caps_of(ps), ps.eval_sets()
     rows = []
-    for r in cfg.world.routes:
-        rec = router.teacher_for(r)
-        teacher_acc = evaluate_route(load_model(rec.model_uri).eval(), tok, r, *sets[r], cap).accuracy
-        acc = evaluate_route(model, tok, r, *sets[r], cap).accuracy
+    for r in ps.routes:
+        rec, verify = router.teacher_for(r), ps.verifier(r)
+        teacher_acc = evaluate_route(load_model(rec.model_uri).eval(), tok, verify, *sets[r], caps[r]).accuracy
+        acc = evaluate_route(model, tok, verify, *sets[r], caps[r]).accuracy
         rows.append({"route": r, "teacher": rec.name, "teacher_accuracy": teacher_acc, "model_accuracy": acc,
                      "retention": retention(acc, teacher_acc)})
         say(f"{r}: model {acc:.3f}, teacher {rec.name} {teacher_acc:.3f}, retention {rows[-1]['retention']:.3f}")

@@ -22,22 +22,21 @@ from tasks.config import MergeConfig, pipeline_config
 from tasks.evaluate import mean_retention
 from tasks.merge import TrackingUnavailable, mark_failed, open_merge_run, run_merge
 from tasks.preflight import preflight_merge
-from tasks.pretrain import build_world_task, latest_base
+from tasks.pretrain import latest_base, prompt_set_task
+from tasks.prompt_set import load_prompt_set
 from tasks.tracking import format_retention_table, run_url, tracking_uri
 from teachers.registry import TeacherRegistry
-from teachers.router import Router
+from teachers.router import Router, teacher_names
 
 
 @task(name="route-teachers", cache_policy=NO_CACHE)
-def route_teachers(cfg: MergeConfig, world_path: str) -> Router:
-    """Map every route of the prompt set to a registered teacher and print the coverage report (or fail naming the
-    routes that have teachers)."""
-    from tasks.data import load_prompts
-
-    router = Router.from_registry(TeacherRegistry(), cfg.world.routes, cfg.teachers or None)
-    counts: dict[str, int] = {}
-    for r in load_prompts(world_path)["train"]["route"]:
-        counts[r] = counts.get(r, 0) + 1
+def route_teachers(cfg: MergeConfig, prompt_set: str) -> Router:
+    """Map every route of the prompt set to a registered teacher (``cfg.teachers``, else the spec's per-route
+    ``teacher``) and print the coverage report (or fail naming the routes that have teachers)."""
+    ps = load_prompt_set(prompt_set)
+    router = Router.from_registry(TeacherRegistry(), ps.routes, teacher_names(cfg.teachers, ps.spec),
+                                  fill_newest=not cfg.teachers)
+    counts = {r: len(d) for r, d in ps.rows("train").items()}
     say("routing coverage:\n" + router.format_coverage(counts))  # its warnings were said by the preflight
     return router
 
@@ -48,16 +47,16 @@ def merge(cfg: MergeConfig = MergeConfig()) -> dict:
     preflight_merge(cfg)  # every bad input refused here, all at once, before any model is loaded
     if not cfg.student_uri:
         cfg = cfg.model_copy(update={"student_uri": latest_base()})
-    world_path = build_world_task(cfg.world)
-    router = route_teachers(cfg, world_path)
+    prompt_set = prompt_set_task(cfg.spec, cfg.world, cfg.student_uri)
+    router = route_teachers(cfg, prompt_set)
     run_name = current_run_name(merge_name(cfg))
-    run_id, checkpoints = open_merge_run(cfg, router, run_name)  # a new run, or the one a killed attempt began
+    run_id, checkpoints = open_merge_run(cfg, router, run_name, prompt_set)  # a new run, or the one a killed attempt began
     try:
         say(f"MLflow run {run_id} ({run_name}) at {tracking_uri()}")
         link(run_url(run_id), f"MLflow run {run_name}", "merge-mlflow-run",
              "Per-route metrics, retention table, student")
         result = run_merge.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_seconds)(
-            cfg, world_path, router, run_id, str(checkpoints.root))
+            cfg, prompt_set, router, run_id, str(checkpoints.root))
     except TrackingUnavailable:
         raise  # MLflow is down: marking the run would only wait for it again; a rerun resumes the run
     except BaseException:
@@ -68,6 +67,9 @@ def merge(cfg: MergeConfig = MergeConfig()) -> dict:
     table = format_retention_table(result["rows"])
     mean = mean_retention(result["rows"])
     say(f"retention per route (mean {mean:.3f}):\n{table}")
+    if result["retention_by"]:
+        say("retention per label (mean over its routes): "
+            + ", ".join(f"{group} {value:.3f}" for group, value in result["retention_by"].items()))
     create_table_artifact(table=result["rows"], key="retention", description=f"MLflow run {run_id}")
     return {**result, "mean_retention": mean}
 

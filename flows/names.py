@@ -19,17 +19,27 @@ def teachers_part(teachers: list[str], n_routes: int) -> str:
     return "+".join(teachers) if 0 < len(teachers) <= 3 else f"{len(teachers) or n_routes}teachers"
 
 
+def routes_part(cfg) -> str:
+    """``3routes`` for the built-in world, the spec file's name (``routes.yaml`` -> ``routes``) for a user's spec
+    (its routes are known once the file is read; the name must not read it)."""
+    from pathlib import Path
+
+    return Path(cfg.spec).stem if cfg.spec else f"{len(cfg.world.routes)}routes"
+
+
 def merge_name(cfg) -> str:
-    return f"merge-{teachers_part(cfg.teachers, len(cfg.world.routes))}-{cfg.label or cfg.opd.loss}-{stamp()}"
+    teachers = teachers_part(cfg.teachers, len(cfg.world.routes)) if cfg.teachers or not cfg.spec else \
+        f"{routes_part(cfg)}-newest"
+    return f"merge-{teachers}-{cfg.label or cfg.opd.loss}-{stamp()}"
 
 
 def pipeline_name(cfg) -> str:
-    return f"pipeline-{cfg.profile}-{len(cfg.world.routes)}routes-{cfg.opd.loss}-{stamp()}"
+    return f"pipeline-{cfg.profile}-{routes_part(cfg)}-{cfg.opd.loss}-{stamp()}"
 
 
 def specialists_name(cfg) -> str:
     steps = cfg.rl.steps if cfg.trainer == "rl" else cfg.train.steps
-    return f"specialists-{cfg.trainer}-{len(cfg.world.routes)}routes-{steps}steps-{stamp()}"
+    return f"specialists-{cfg.trainer}-{routes_part(cfg)}-{steps}steps-{stamp()}"
 
 
 def from_parameters(config_cls: type[C], build: Callable[[C], str], param: str = "cfg") -> Callable[[], str]:

@@ -1,8 +1,10 @@
-"""Flow `pipeline`, the main job: build the world, pre-train a base, train and register one specialist per route,
-merge them into one student by on-policy distillation, and print the per-route retention table.
+"""Flow `pipeline`, the main job: read the route spec (the built-in world's unless --spec names yours), pre-train a
+base (or take --base_model), train and register one specialist per route, merge them into one student by on-policy
+distillation, and print the per-route retention table.
 
 Run:  python -m flows.pipeline                 # default profile: 6 routes, <= 20 min on 2 CPU cores
       python -m flows.pipeline --profile quick # 3 routes, same code path, ~2 min
+      python -m flows.pipeline --spec routes.yaml [--base_model PATH]   # your own routes (tasks/spec.py)
       python -m flows.pipeline --opd.steps 400 --world.routes shift-low,shift-high ...  (any config field)
 """
 
@@ -27,10 +29,10 @@ from tasks.tracking import format_retention_table, run_url, tracking_uri
 def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     """world -> base -> specialists -> registry -> OPD merge -> retention (each stage a subflow)."""
     t0 = time.perf_counter()
-    preflight_pipeline(cfg)  # every bad input refused here, all at once, before anything trains
-    say(f"[1/3] prepare base ({cfg.profile} profile, routes {', '.join(cfg.world.routes)})")
+    routes = preflight_pipeline(cfg).routes  # every bad input refused here, all at once, before anything trains
+    say(f"[1/3] prepare base ({cfg.profile} profile, {cfg.spec or 'the built-in world'}: routes {', '.join(routes)})")
     base = prepare_base(cfg.pretrain())
-    say(f"[2/3] train specialists ({len(cfg.world.routes)} routes)")
+    say(f"[2/3] train specialists ({len(routes)} routes)")
     teachers = train_specialists(cfg.specialists(base["uri"]))
     say(f"[3/3] merge {len(teachers)} teachers into one student by on-policy distillation")
     result = merge(cfg.merge(base["uri"], teachers))
@@ -39,7 +41,8 @@ def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
          "pipeline-mlflow-run", "The merge's per-route retention, curves and student checkpoint")
     say(f"pipeline done in {minutes:.1f} min; mean retention {result['mean_retention']:.3f}\n"
         f"{format_retention_table(result['rows'])}\n"
-        f"MLflow run {result['run_id']} (experiment {cfg.experiment}) in {tracking_uri()}\n"
+        + "".join(f"  retention of {group}: {value:.3f}\n" for group, value in result["retention_by"].items())
+        + f"MLflow run {result['run_id']} (experiment {cfg.experiment}) in {tracking_uri()}\n"
         f"  look at it: make ui-mlflow  (http://127.0.0.1:5000)")
     return {"base_uri": base["uri"], "teachers": teachers, **result, "minutes": minutes}
 

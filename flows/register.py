@@ -11,13 +11,13 @@ import sys
 from typing import Optional
 
 from prefect import flow
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.config import _Config
 from tasks.log import say
 from tasks.paths import world_dir
 from tasks.tracking import publish_teacher, teacher_model_name
-from tasks.world import Route
+from tasks.spec import check_route_name
 from teachers.registry import Provenance, TeacherRegistry
 
 
@@ -25,7 +25,9 @@ class RegisterConfig(_Config):
     """One teacher to register."""
 
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Unique teacher name, e.g. rev-high-v2.")
-    route: str = Field(..., description="Route it serves, DOMAIN-BUDGET (e.g. rev-high).")
+    route: str = Field(..., description="Route it serves: a route name of the merge's spec (e.g. rev-high).")
+    spec: str = Field("", description="Route spec file whose routes the route must be one of; empty = not checked "
+                      "against a spec.")
     model_uri: str = Field(..., min_length=1, description="Checkpoint folder or hub id (HF config, weights, tokenizer).")
     student_tokenizer: str = Field("", description="Tokenizer the student uses; empty = the built-in world's.")
     eval_score: Optional[float] = Field(None, ge=0, le=1, description="Its accuracy on its route, if known.")
@@ -38,8 +40,17 @@ class RegisterConfig(_Config):
     @field_validator("route")
     @classmethod
     def _route(cls, v: str) -> str:
-        Route.parse(v)
-        return v
+        return check_route_name(v)
+
+    @model_validator(mode="after")
+    def _in_spec(self) -> "RegisterConfig":
+        if self.spec:
+            from tasks.spec import load_spec
+
+            routes = [r.name for r in load_spec(self.spec).routes]  # InputError names the file and field
+            if self.route not in routes:
+                raise ValueError(f"route {self.route!r} is not a route of {self.spec}; its routes: {routes}")
+        return self
 
 
 @flow(name="register-teacher", flow_run_name="register-teacher-{cfg.name}")

@@ -1,11 +1,12 @@
-"""Flow `train specialists`: one fine-tune of the base per route (fanned out on Prefect's task runner), each
-evaluated on its route's held-out prompts and registered as a teacher. ``--trainer sft`` (default) fine-tunes on the
+"""Flow `train specialists`: one fine-tune of the base per route of the route spec (fanned out on Prefect's task
+runner), each evaluated on its route's held-out prompts and registered as a teacher of that route. ``--trainer sft`` (default) fine-tunes on the
 gold completions (``--train.*``); ``--trainer rl`` runs GRPO from the base with the route's verifier as the reward
 (``--rl.*``), an RLVR teacher. Cached: a rerun skips finished specialists.
 A specialist that fails (after its --retries) does not stop the others: they are registered and cached, the flow then
 fails naming it, and the same command again trains only what is missing.
 
 Run:  python -m flows.specialists [--profile quick] [--base_uri PATH] [--train.steps 600] [--workers 2] ...
+      python -m flows.specialists --spec my_routes.yaml --base_uri PATH ...
       python -m flows.specialists --profile quick --trainer rl [--rl.steps 60] [--name_prefix rlspec] ...
 """
 
@@ -23,7 +24,8 @@ from tasks.log import say
 from tasks.config import SpecialistsConfig, pipeline_config
 from tasks.models import checkpoint_fingerprint
 from tasks.preflight import CONFIG, Problem
-from tasks.pretrain import build_world_task, folder_gone, latest_base
+from tasks.pretrain import folder_gone, latest_base, prompt_set_task
+from tasks.prompt_set import load_prompt_set
 from tasks.tracking import publish_teacher, setup_mlflow, teacher_model_name
 from tasks.specialist import SPECIALISTS_EXPERIMENT, train_specialist
 from teachers.registry import Provenance, TeacherRegistry
@@ -58,28 +60,29 @@ def task_runner(cfg: SpecialistsConfig):
 def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]:
     """Train, evaluate and register one specialist per route; returns the registered teacher names."""
     base_uri = cfg.base_uri or latest_base()
-    world_path = build_world_task(cfg.world)
+    prompt_set = prompt_set_task(cfg.spec, cfg.world, base_uri)
+    routes = load_prompt_set(prompt_set).routes
     base_fp = checkpoint_fingerprint(base_uri) if Path(base_uri).exists() else base_uri
     # Create the tracking store and experiment here, once: worker processes (Ray) racing to create a fresh sqlite
     # store's tables fail.
     setup_mlflow(SPECIALISTS_EXPERIMENT)
     recipe = cfg.rl if cfg.trainer == "rl" else cfg.train
     train = train_specialist.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_seconds)
-    params = [dict(world_path=world_path, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=recipe)
-              for r in cfg.world.routes]
+    params = [dict(prompt_set=prompt_set, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=recipe)
+              for r in routes]
     with task_runner(cfg) as runner:
         results = [f.result(raise_on_failure=False) for f in [runner.submit(train, parameters=p) for p in params]]
         # A cached specialist whose folder is gone (deleted to free disk) is trained again, not registered.
         gone = [i for i, res in enumerate(results) if isinstance(res, dict) and folder_gone(res["uri"])]
         if gone:
             say("cached specialists whose folders are gone, trained again: "
-                + ", ".join(f"{cfg.world.routes[i]} ({results[i]['uri']})" for i in gone))
+                + ", ".join(f"{routes[i]} ({results[i]['uri']})" for i in gone))
             again = train.with_options(refresh_cache=True)
             for i, f in [(i, runner.submit(again, parameters=params[i])) for i in gone]:
                 results[i] = f.result(raise_on_failure=False)
     registry = TeacherRegistry()
     names, failed = [], []
-    for route, res in zip(cfg.world.routes, results):
+    for route, res in zip(routes, results):
         if isinstance(res, BaseException):
             failed.append(f"{route}: {type(res).__name__}: {res}")
             continue
@@ -88,8 +91,8 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
             continue
         name = f"{cfg.name_prefix}-{route}"
         record = registry.register_checkpoint(
-            name, route, res["uri"], Path(world_path) / "tokenizer", eval_score=res["accuracy"], replace=True,
-            provenance=Provenance(base=base_fp, data=Path(world_path).name, config_hash=recipe.config_hash(),
+            name, route, res["uri"], Path(prompt_set) / "tokenizer", eval_score=res["accuracy"], replace=True,
+            provenance=Provenance(base=base_fp, data=Path(prompt_set).name, config_hash=recipe.config_hash(),
                                   source="train-specialists-rl" if cfg.trainer == "rl" else "train-specialists"),
         )
         version = publish_teacher(record, res["mlflow_run_id"])

@@ -1,4 +1,4 @@
-"""What the benchmarks in ``flows/bench_*.py`` share: the ``--quick`` flag, a batch of the built-in world's prompts,
+"""What the benchmarks in ``flows/bench/`` share: the ``--quick`` flag, a batch of the built-in world's prompts,
 checkpoints made with this project's code, timing, peak memory and peak FLOP/s of this machine, and one MLflow run per
 benchmark (params, metrics, the table as an MLflow table and as the printed text).
 
@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field, field_validator
 
 from tasks.config import ModelConfig, WorldConfig, _Config
 from tasks.table import format_table
-from tasks.world import format_prompt, sample_problems
+from tasks.world import domain_of, format_prompt, sample_problems
+from tasks.world_spec import world_verifiers
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -34,12 +35,13 @@ def parse_bench_config(argv: list[str] | None, make_config: Callable[[str], C], 
 
 def world_batch(n: int, seed: int, world: WorldConfig | None = None) -> tuple[list[str], list[str], list[str]]:
     """``n`` prompts of the built-in world, its routes taken in turn, each route's problems drawn as the world draws
-    them (its own lengths): ``(prompts, routes, problems)``, deterministic in ``seed``."""
+    them (its own lengths): ``(prompts, routes, answers)``, deterministic in ``seed``."""
     world = world or WorldConfig()
     routes = world.route_objs()
     per_route = {r.name: sample_problems(r, -(-n // len(routes)), seed, *world.lengths(r.name)) for r in routes}
     picked = [(routes[i % len(routes)], per_route[routes[i % len(routes)].name][i // len(routes)]) for i in range(n)]
-    return [format_prompt(r, p) for r, p in picked], [r.name for r, _ in picked], [p for _, p in picked]
+    return ([format_prompt(r, p) for r, p in picked], [r.name for r, _ in picked],
+            [domain_of(r).answer(p) for r, p in picked])
 
 
 def parse_shape(text: str) -> ModelConfig:
@@ -53,7 +55,7 @@ def parse_shape(text: str) -> ModelConfig:
 
 
 class BenchOPDConfig(_Config):
-    """What the benchmarks of our OPD step share (``flows.bench_step``, ``flows.bench_trl``)."""
+    """What the benchmarks of our OPD step share (``flows.bench.step``, ``flows.bench.trl``)."""
 
     shapes: list[str] = Field(
         default_factory=lambda: ["64x2x2", "256x4x4"],
@@ -92,15 +94,16 @@ def opd_steps(cfg: BenchOPDConfig, student, teacher, tok) -> Callable[[int], Any
     from tasks.train import make_optimizer
 
     B = cfg.batch_size
-    prompts, routes, problems = cfg.prompts()
+    prompts, routes, answers = cfg.prompts()
     optimizer, scheduler = make_optimizer(student, cfg.lr, 0.0, 0, cfg.warmup + cfg.steps)
 
     def step(i: int):
         rows = slice(i * B, (i + 1) * B)
         t0 = time.perf_counter()
-        stats = opd_step(student, {"teacher": teacher}, tok, prompts[rows], routes[rows], problems[rows],
+        stats = opd_step(student, {"teacher": teacher}, tok, prompts[rows], routes[rows], answers[rows],
                          {"teacher": list(range(B))}, optimizer, scheduler, cfg.max_new_tokens,
-                         Objective(loss="reverse_kl"), cfg.chunk_size, grad_clip=1.0)
+                         Objective(loss="reverse_kl"), cfg.chunk_size, grad_clip=1.0,
+                         verifiers=world_verifiers(list(set(routes))))
         stats.seconds["step"] = time.perf_counter() - t0
         return stats
 
@@ -117,7 +120,7 @@ def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok) -> tuple[
     from tasks.losses import Objective
     from tasks.train import make_optimizer
 
-    prompts, routes, problems = cfg.prompts()
+    prompts, routes, answers = cfg.prompts()
     B, n = cfg.batch_size, len(prompts) // cfg.batch_size
 
     class InOrder:
@@ -128,14 +131,14 @@ def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok) -> tuple[
         def draw(self, size: int):
             rows = slice((self.i % n) * B, (self.i % n) * B + size)
             self.i += 1
-            return prompts[rows], routes[rows], problems[rows]
+            return prompts[rows], routes[rows], answers[rows]
 
         def on_policy(self, lmbda: float) -> bool:
             return True
 
     optimizer, scheduler = make_optimizer(student, cfg.lr, 0.0, 0, cfg.warmup + cfg.steps)
     producer = BatchProducer(student, tok, InOrder(), None, {r: cfg.max_new_tokens for r in set(routes)}, B,
-                             overlap=True)
+                             overlap=True, verifiers=world_verifiers(list(set(routes))))
     objectives = {r: Objective(loss="reverse_kl") for r in set(routes)}
     tokens, t0 = 0, 0.0
     try:
@@ -211,7 +214,8 @@ def publish(cfg: BaseModel, run_name: str, headers: Sequence[str], rows: Sequenc
     """Print the table and the notes under it, and log them as one finished MLflow run in ``cfg.experiment``: every
     config field as a param, ``metrics``, the table as ``<name>.json`` (an MLflow table) and the printed text as
     ``<name>.txt``. Returns the run id."""
-    # MLflow is imported here, not at the top: bench_memory's spawned processes import this module and measure RSS.
+    # MLflow is imported here, not at the top: the spawned processes of flows.bench.memory import this module and
+    # measure RSS.
     from mlflow.tracking import MlflowClient
 
     from tasks.log import say

@@ -194,50 +194,51 @@ def summary_metrics(headers: list[str], rows: list[list[Any]]) -> dict[str, floa
 # ------------------------------------------------------------------------------------------- non-merge baselines
 
 
-def held_out(world_path: str, tok, routes: Sequence[str]) -> tuple[dict[str, tuple[list[str], list[str]]], int]:
-    """The routes' held-out sets and the cap a merge evaluates with (longest training completion + 2 tokens)."""
-    from tasks.data import eval_sets, load_prompts, max_new_tokens_for
+def held_out(prompt_set: str, routes: Sequence[str]):
+    """The routes' held-out sets, caps and verifiers, as a merge evaluates them (the prompt set's spec)."""
+    from tasks.prompt_set import load_prompt_set
 
-    evals = {r: s for r, s in eval_sets(world_path).items() if r in routes}
-    return evals, max_new_tokens_for(tok, load_prompts(world_path)["train"]["completion"])
+    ps = load_prompt_set(prompt_set)
+    return ({r: s for r, s in ps.eval_sets().items() if r in routes}, {r: ps.cap(r) for r in routes},
+            {r: ps.verifier(r) for r in routes})
 
 
-def teacher_accuracies(records, world_path: str) -> dict[str, float]:
+def teacher_accuracies(records, prompt_set: str) -> dict[str, float]:
     """Each teacher's held-out accuracy on its own route, measured as a merge measures it (greedy, the same cap)."""
     from tasks.evaluate import evaluate_route
     from tasks.models import load_model
     from tasks.tokenizer import load_tokenizer
 
     tok = load_tokenizer(records[0].model_uri)  # every teacher shares it (the registry checked the fingerprints)
-    evals, cap = held_out(world_path, tok, [rec.route for rec in records])
-    return {rec.route: evaluate_route(load_model(rec.model_uri).eval(), tok, rec.route, *evals[rec.route], cap).accuracy
+    evals, caps, verifiers = held_out(prompt_set, [rec.route for rec in records])
+    return {rec.route: evaluate_route(load_model(rec.model_uri).eval(), tok, verifiers[rec.route], *evals[rec.route],
+                                      caps[rec.route]).accuracy
             for rec in records}
 
 
-def grpo_curve(cfg, base_uri: str, world_path: str, teacher_acc: dict[str, float], run_id: str) -> Curve:
+def grpo_curve(cfg, base_uri: str, prompt_set: str, teacher_acc: dict[str, float], run_id: str) -> Curve:
     """GRPO from the base on the mixed prompts of every route (Mix-RL), evaluated every ``cfg.eval_every`` steps
     like a merge; logs ``retention/<route>``, ``rollout/student_tokens`` and ``time/train_total`` to ``run_id``.
     ``cfg`` is an :class:`tasks.config.RLConfig`."""
-    from tasks.data import load_prompts, rows_by_route
     from tasks.evaluate import evaluate_routes
     from tasks.merge import route_metrics
     from tasks.models import load_model
+    from tasks.prompt_set import load_prompt_set
     from tasks.rl import run_grpo
     from tasks.tokenizer import load_tokenizer
     from tasks.tracking import log_metrics
 
     tok = load_tokenizer(base_uri)
     model = load_model(base_uri).eval()
-    prompts = load_prompts(world_path)
     routes = list(teacher_acc)
-    by_route = rows_by_route(prompts["train"])
-    train = {r: (by_route[r]["prompt"], by_route[r]["problem"]) for r in routes}
-    evals, cap = held_out(world_path, tok, routes)
+    train = {r: s for r, s in load_prompt_set(prompt_set).train_sets().items() if r in routes}
+    evals, caps, verifiers = held_out(prompt_set, routes)
+    cap = max(caps.values())  # GRPO rolls out every route under one cap
     curve = Curve("grpo_mix_rl", "rl", run_id=run_id)
     spent = {"tokens": 0.0, "seconds": 0.0}
 
     def point(step: int) -> None:
-        m = route_metrics(evaluate_routes(model, tok, evals, cap), teacher_acc)
+        m = route_metrics(evaluate_routes(model, tok, evals, caps, verifiers), teacher_acc)
         curve.points.append(Point(step, {r: m[f"retention/{r}"] for r in routes}, student_tokens=spent["tokens"],
                                   seconds=spent["seconds"]))
         log_metrics(run_id, {**m, "rollout/student_tokens": spent["tokens"], "time/train_total": spent["seconds"]},
@@ -252,12 +253,12 @@ def grpo_curve(cfg, base_uri: str, world_path: str, teacher_acc: dict[str, float
 
     point(0)
     t0 = time.perf_counter()
-    run_grpo(model, tok, train, cfg, cap, on_step)
+    run_grpo(model, tok, train, cfg, cap, on_step, verifiers=verifiers)
     say(f"GRPO (Mix-RL): {cfg.steps} steps in {time.perf_counter() - t0:.0f}s")
     return curve
 
 
-def weight_merge_curve(method: str, base_uri: str, expert_uris: list[str], world_path: str,
+def weight_merge_curve(method: str, base_uri: str, expert_uris: list[str], prompt_set: str,
                        teacher_acc: dict[str, float], out_dir: str, density: float, scale: float, seed: int) -> Curve:
     """One weight merge of the specialists (task arithmetic, TIES or DARE; :mod:`tasks.weight_merge`), evaluated once:
     no training, so its one point costs nothing but the merge."""
@@ -272,6 +273,6 @@ def weight_merge_curve(method: str, base_uri: str, expert_uris: list[str], world
     seconds = time.perf_counter() - t0
     tok = load_tokenizer(path)
     routes = list(teacher_acc)
-    evals, cap = held_out(world_path, tok, routes)
-    m = route_metrics(evaluate_routes(load_model(path).eval(), tok, evals, cap), teacher_acc)
+    evals, caps, verifiers = held_out(prompt_set, routes)
+    m = route_metrics(evaluate_routes(load_model(path).eval(), tok, evals, caps, verifiers), teacher_acc)
     return Curve(f"merge_{method}", "weights", [Point(0, {r: m[f"retention/{r}"] for r in routes}, seconds=seconds)])

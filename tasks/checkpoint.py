@@ -63,12 +63,14 @@ def checkpoints_dir() -> Path:
     return state_dir() / "checkpoints"
 
 
-def merge_key(cfg: MergeConfig, student_fingerprint: str, teachers_fingerprint: str, tracking: str) -> str:
+def merge_key(cfg: MergeConfig, student_fingerprint: str, teachers_fingerprint: str, tracking: str,
+              data: str = "") -> str:
     """What identifies one merge across reruns: its config (run-policy fields aside), the student's weights, the
-    teachers (registry fingerprint of the routed records) and the MLflow store its run lives in."""
+    teachers (registry fingerprint of the routed records), the MLflow store its run lives in and its prompt set
+    (``data``: the folder name, keyed on the spec's text and data files)."""
     flat = {k: v for k, v in flatten(cfg).items() if k not in RUN_POLICY}
     payload = json.dumps({"config": flat, "student": student_fingerprint, "teachers": teachers_fingerprint,
-                          "tracking": tracking}, sort_keys=True, default=str)
+                          "tracking": tracking, **({"data": data} if data else {})}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -96,8 +98,9 @@ class MergeCheckpoints:
 
     @classmethod
     def for_merge(cls, cfg: MergeConfig, student_fingerprint: str, teachers_fingerprint: str,
-                  tracking: str) -> MergeCheckpoints:
-        return cls(checkpoints_dir() / f"merge-{merge_key(cfg, student_fingerprint, teachers_fingerprint, tracking)}")
+                  tracking: str, data: str = "") -> MergeCheckpoints:
+        key = merge_key(cfg, student_fingerprint, teachers_fingerprint, tracking, data)
+        return cls(checkpoints_dir() / f"merge-{key}")
 
     # ------------------------------------------------------------------------------------------ the run record
 
@@ -232,7 +235,7 @@ def batch_state(batch: Batch | None) -> dict | None:
     it)."""
     if batch is None:
         return None
-    return {"rollout": vars(batch.rollout), "routes": batch.routes, "problems": batch.problems,
+    return {"rollout": vars(batch.rollout), "routes": batch.routes, "answers": batch.answers,
             "on_policy": batch.on_policy, "version": batch.version, "rewards_B": batch.rewards_B,
             "tokens": None if batch.tokens is None else vars(batch.tokens), "generated": batch.generated,
             "generated_tokens": batch.generated_tokens}
@@ -242,5 +245,5 @@ def batch_from_state(state: dict | None) -> Batch | None:
     if state is None:
         return None
     tokens = None if state["tokens"] is None else TokenInputs(**state["tokens"])
-    return Batch(Rollout(**state["rollout"]), state["routes"], state["problems"], state["on_policy"], state["version"],
+    return Batch(Rollout(**state["rollout"]), state["routes"], state["answers"], state["on_policy"], state["version"],
                  state["rewards_B"], tokens, state["generated"], state.get("generated_tokens", 0))

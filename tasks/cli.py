@@ -16,16 +16,21 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
+import textwrap
 import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from types import UnionType
+from typing import Any, Callable, Iterator, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 # tasks.config is imported where needed: it imports torch, which `python -m teachers list` should not wait for.
 from tasks.preflight import CONFIG, InputError, Problem
+from tasks.problems import validation_problems
 from teachers.registry import RegistryError
 
 C = TypeVar("C", bound=BaseModel)
@@ -62,34 +67,130 @@ def _parse_value(text: str, default: Any) -> Any:
     return text  # pydantic coerces "300" -> 300, "true" -> True
 
 
+HELP_WIDTH = 100  # --help lines wrap to the terminal, but no wider than this: longer lines are hard to read
+_SHORT_CHOICES = 24  # Literal choices up to this long are the metavar ({llama,qwen2}); longer ones go in the help
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps to the terminal width (at most :data:`HELP_WIDTH`); keeps a docstring's indented command examples
+    (``Run:  python -m ...``) as they are written and refills its prose paragraphs."""
+
+    def __init__(self, prog: str):
+        width = max(40, min(shutil.get_terminal_size((HELP_WIDTH + 2, 24)).columns - 2, HELP_WIDTH))
+        super().__init__(prog, max_help_position=min(36, width * 2 // 5), width=width)
+
+    def _format_usage(self, usage, actions, groups, prefix) -> str:  # a given usage line wraps too
+        text = super()._format_usage(usage, actions, groups, prefix).strip("\n")
+        if "\n" in text or len(text) <= self._width:
+            return text + "\n\n"
+        head, _, rest = text.partition("[")
+        lines = [""]
+        for part in re.findall(r"\[[^\]]*\]|\S+", "[" + rest):  # whole [--flag VALUE] groups, never split
+            if lines[-1] and len(head) + len(lines[-1]) + 1 + len(part) > self._width:
+                lines.append("")
+            lines[-1] += (" " if lines[-1] else "") + part
+        return head + ("\n" + " " * len(head)).join(lines) + "\n\n"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:  # never inside shift-high or a long name
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in textwrap.dedent(text).strip("\n").split("\n\n"):
+            lines = para.splitlines()
+            verbatim = lines[0].startswith("Run:") or any(ln[:1].isspace() for ln in lines[1:])
+            out.append("\n".join(indent + ln for ln in lines) if verbatim else "\n".join(
+                indent + ln for ln in self._split_lines(para, width - len(indent))))
+        return "\n\n".join(out)
+
+
+def _field(cfg: BaseModel, key: str) -> tuple[FieldInfo, Any]:
+    """The pydantic field behind a dotted name (``opd.steps``) and its value in ``cfg``."""
+    *parents, leaf = key.split(".")
+    for name in parents:
+        cfg = getattr(cfg, name)
+    return type(cfg).model_fields[leaf], getattr(cfg, leaf)
+
+
+def _choices(annotation: Any) -> tuple[Any, ...]:
+    """The values of a ``Literal`` (or ``Literal | None``) annotation; empty for any other type."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if get_origin(annotation) in (Union, UnionType):
+        return tuple(c for a in get_args(annotation) if a is not type(None) for c in _choices(a))
+    return ()
+
+
+def _metavar(annotation: Any) -> str:
+    """What a flag takes, from the field's type: INT, FLOAT, BOOL, STR, LIST (comma-separated or JSON), JSON (an
+    object), {a,b} (a short Literal) or CHOICE (a long one, listed in the help)."""
+    if choices := _choices(annotation):
+        short = "{" + ",".join(map(str, choices)) + "}"
+        return short if len(short) <= _SHORT_CHOICES else "CHOICE"
+    if get_origin(annotation) in (Union, UnionType):  # int | None: the flag takes the int (or null)
+        return next((_metavar(a) for a in get_args(annotation) if a is not type(None)), "VALUE")
+    origin = get_origin(annotation) or annotation
+    names = {bool: "BOOL", int: "INT", float: "FLOAT", str: "STR", list: "LIST", tuple: "LIST", dict: "JSON"}
+    return names.get(origin, "VALUE")
+
+
+def _shown(value: Any) -> str:
+    """A default as one would type it on the command line: JSON for lists, dicts, booleans and null."""
+    if isinstance(value, str):
+        return value if value else '""'
+    return json.dumps(value)
+
+
+def field_help(cfg: BaseModel, key: str) -> tuple[str, str]:
+    """(metavar, help text) of a dotted field: its pydantic description, the choices of a long ``Literal`` and its
+    default (``Optimizer steps of the on-policy stage. (default 800)``)."""
+    info, value = _field(cfg, key)
+    metavar = _metavar(info.annotation)
+    text = " ".join((info.description or "").split())
+    if metavar == "CHOICE":
+        text += f" One of: {', '.join(map(str, _choices(info.annotation)))}."
+    text += " (required)" if info.is_required() else f" (default {_shown(value)})"
+    return metavar, text.strip()
+
+
+def _section_description(cfg: BaseModel, section: str) -> str | None:
+    """What a section (``opd``) is: the description of the field holding it, else its model's docstring."""
+    info, value = _field(cfg, section)
+    doc = info.description or (type(value).__doc__ or "").split("\n\n")[0]
+    return " ".join(doc.split()) or None
+
+
 def build_parser(cfg: BaseModel, description: str, with_profile: bool = False) -> argparse.ArgumentParser:
+    """One flag per config field (``--opd.steps INT``) with its description and default, grouped by section
+    (``world``, ``model``, ``opd``, ...); top-level fields sit with ``--profile`` and ``--debug`` under options."""
     from tasks.config import flatten
 
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    profile = "[--profile {quick,default}] " if with_profile else ""
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, prog=_prog(),
+                                     usage=f"%(prog)s [-h] {profile}[{DEBUG}] [--FIELD VALUE ...]")
     if with_profile:
-        parser.add_argument("--profile", choices=["quick", "default"], default="default", help="Named preset.")
+        parser.add_argument("--profile", choices=["quick", "default"], default="default",
+                            help="Named preset the flags override. (default default)")
     parser.add_argument(DEBUG, action="store_true", help=DEBUG_HELP)
-    for key, default in flatten(cfg).items():
+    groups: dict[str, Any] = {}
+    for key in flatten(cfg):
         if key == "profile":
             continue
-        shown = json.dumps(default) if isinstance(default, (list, dict)) else default
-        parser.add_argument(f"--{key}", dest=key, default=None, metavar="VALUE", help=f"(default: {shown})")
+        section = key.rpartition(".")[0]
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section, _section_description(cfg, section)) if section \
+                else parser
+        metavar, text = field_help(cfg, key)
+        groups[section].add_argument(f"--{key}", dest=key, default=None, metavar=metavar,
+                                     help=text.replace("%", "%%"))
     return parser
 
 
-def validation_problems(err: ValidationError, file: str = CONFIG,
-                        field_of: Callable[[tuple], str] | None = None) -> list[Problem]:
-    """One :class:`Problem` per pydantic error: the field (dotted, or as ``field_of(loc)`` names it), the message
-    and the value given; without the link to pydantic's docs that ``str(err)`` ends each error with."""
-    problems = []
-    for e in err.errors():
-        field = (field_of(e.get("loc", ())) if field_of else ".".join(map(str, e.get("loc", ())))) or "(config)"
-        message = re.sub(r"^(Value|Assertion) error, ", "", e["msg"])
-        given = e.get("input")
-        if e.get("loc") and not isinstance(given, (dict, list, BaseModel)) and e["type"] != "missing":
-            message += f" (got {given!r})"
-        problems.append(Problem(file, field, message))
-    return problems
+def _prog() -> str | None:
+    """``python -m flows.merge`` when run that way (argparse alone would say ``merge.py``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    return f"python -m {name}" if name and not name.endswith("__main__") else None
 
 
 def looks_like_path(uri: str) -> bool:

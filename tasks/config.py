@@ -19,6 +19,17 @@ OffPolicySourceName = Literal["teacher", "dataset"]
 Profile = Literal["quick", "default"]
 
 
+SPEC_HELP = ("Route spec file (YAML or JSON; tasks/spec.py): each route's data, rendering, generation caps, verifier "
+             "and teacher. Empty = the built-in world's, written from world.* (the only thing world.* is used for).")
+
+
+WORLD_HELP = "The built-in world, used only when spec is empty: its routes, sizes and lengths."
+
+
+def spec_field():
+    return Field("", description=SPEC_HELP)
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -112,6 +123,8 @@ class ModelConfig(_Config):
     num_layers: int = Field(3, ge=1, le=64, description="Decoder layers.")
     num_heads: int = Field(4, ge=1, le=64, description="Attention heads.")
     intermediate_size: int = Field(512, ge=8, le=32768, description="MLP width.")
+    max_positions: int = Field(128, ge=16, le=1 << 20, description="Context length (positions) of the base; every "
+                               "prompt plus its route's max_new_tokens must fit.")
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
@@ -332,28 +345,37 @@ class OPDConfig(_Config):
     def cold_start_objective(self) -> Objective:
         return self.objective(loss=self.cold_start_loss)
 
-    def check_routes(self, routes: list[str]) -> None:
-        """Every per-route setting must name a route of the world."""
+    def check_routes(self, routes: list[str], where: str = "world.routes") -> None:
+        """Every per-route setting must name a route of the merge (``where`` says where those routes are listed)."""
         for field_name in ("route_loss", "route_weights", "route_max_new_tokens"):
             for r in getattr(self, field_name):
                 if r not in routes:
-                    raise ValueError(f"opd.{field_name} names route {r!r}, which is not in world.routes {routes}")
+                    raise ValueError(f"opd.{field_name} names route {r!r}, which is not in {where} {routes}")
 
 
 class PretrainConfig(_Config):
-    """Flow `prepare base`: build the world, create a base from a config and pre-train it briefly on the mixed world."""
+    """Flow `prepare base`: build the prompt set of the route spec, then create a base from a config and pre-train it
+    briefly on all routes' reference completions, or take a given pretrained base."""
 
-    world: WorldConfig = Field(default_factory=WorldConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
+    spec: str = spec_field()
+    base_model: str = Field(
+        "", description="A pretrained causal LM (local folder or hub id) to use as the shared base instead of "
+        "pre-training one here: its tokenizer and chat template render the prompts. Empty = pre-train model.*.")
+    world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the base created and pre-trained "
+                               "here (unused with base_model).")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3),
+                               description="Supervised training on the routes' reference completions.")
 
 
 class SpecialistsConfig(_Config):
     """Flow `train specialists`: one fine-tune of the base per route, evaluated and registered as a teacher."""
 
-    world: WorldConfig = Field(default_factory=WorldConfig)
+    spec: str = spec_field()
+    world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     base_uri: str = Field("", description="Base checkpoint (local path or hub id); empty = the pipeline's base.")
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3))
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3),
+                               description="Supervised training on the routes' reference completions.")
     min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once.")
     runner: Literal["threads", "ray"] = Field(
@@ -365,7 +387,7 @@ class SpecialistsConfig(_Config):
         "sft", description="sft: fine-tune on the route's gold completions (train.*); rl: GRPO with the route's "
         "verifier from the base (rl.*), an RLVR teacher."
     )
-    rl: RLConfig = Field(default_factory=RLConfig)
+    rl: RLConfig = Field(default_factory=RLConfig, description="GRPO settings when trainer is rl.")
     retries: int = Field(
         0, ge=0, le=20, description="Prefect retries of each specialist's training task after a transient failure "
         "(OSError, MLflow unreachable); finished specialists are cached either way."
@@ -376,12 +398,14 @@ class SpecialistsConfig(_Config):
 class MergeConfig(_Config):
     """Flow `merge`: on-policy distillation of the routed teachers into one student."""
 
-    world: WorldConfig = Field(default_factory=WorldConfig)
+    spec: str = spec_field()
+    world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     student_uri: str = Field("", description="Student initialisation (local path or hub id); empty = the pipeline's base.")
     teachers: list[str] = Field(
         default_factory=list, description="Teacher names from the registry; empty = newest teacher per route."
     )
-    opd: OPDConfig = Field(default_factory=OPDConfig)
+    opd: OPDConfig = Field(default_factory=OPDConfig, description="The merge: objectives, stages, rollouts, "
+                           "evaluation and checkpoints.")
     experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
     label: str = Field(
         "", pattern=r"^[A-Za-z0-9_.+-]*$", description="Name of the merge variant in run names; empty = the loss."
@@ -394,7 +418,8 @@ class MergeConfig(_Config):
 
     @model_validator(mode="after")
     def _route_settings(self):
-        self.opd.check_routes(self.world.routes)
+        if not self.spec:  # a spec's routes are checked against the spec by the preflight (it reads the file)
+            self.opd.check_routes(self.world.routes)
         return self
 
 
@@ -402,17 +427,23 @@ class PipelineConfig(_Config):
     """Flow `pipeline` (the main job): world -> base -> specialists -> registry -> merge -> retention table."""
 
     profile: Profile = Field("default", description="Named preset this config started from.")
-    world: WorldConfig = Field(default_factory=WorldConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    base_train: TrainConfig = Field(default_factory=lambda: PretrainConfig().train)
-    specialist_train: TrainConfig = Field(default_factory=lambda: SpecialistsConfig().train)
+    spec: str = spec_field()
+    base_model: str = PretrainConfig.model_fields["base_model"]
+    world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the base created and pre-trained "
+                               "here (unused with base_model).")
+    base_train: TrainConfig = Field(default_factory=lambda: PretrainConfig().train,
+                                    description="Pre-training of the base on every route's reference completions.")
+    specialist_train: TrainConfig = Field(default_factory=lambda: SpecialistsConfig().train,
+                                          description="Fine-tuning of each route's specialist on its completions.")
     specialist_trainer: Literal["sft", "rl"] = Field(
         "sft", description="How specialists are trained: sft on gold completions, or rl (GRPO with the verifier)."
     )
     specialist_rl: RLConfig = Field(default_factory=RLConfig, description="GRPO settings of rl specialists.")
     min_accuracy: float = Field(0.9, ge=0, le=1, description="Specialists below this eval accuracy fail the flow.")
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
-    opd: OPDConfig = Field(default_factory=OPDConfig)
+    opd: OPDConfig = Field(default_factory=OPDConfig, description="The merge: objectives, stages, rollouts, "
+                           "evaluation and checkpoints.")
     experiment: str = Field("opd-merge", min_length=1, description="MLflow experiment of the merge run.")
     retries: int = Field(
         0, ge=0, le=20, description="Prefect retries of each specialist's training task and of the merge task after "
@@ -423,15 +454,17 @@ class PipelineConfig(_Config):
 
     @model_validator(mode="after")
     def _route_settings(self):
-        self.opd.check_routes(self.world.routes)
+        if not self.spec:  # a spec's routes are checked against the spec by the preflight (it reads the file)
+            self.opd.check_routes(self.world.routes)
         return self
 
     def pretrain(self) -> PretrainConfig:
-        return PretrainConfig(world=self.world, model=self.model, train=self.base_train)
+        return PretrainConfig(spec=self.spec, base_model=self.base_model, world=self.world, model=self.model,
+                              train=self.base_train)
 
     def specialists(self, base_uri: str) -> SpecialistsConfig:
         return SpecialistsConfig(
-            world=self.world, base_uri=base_uri, train=self.specialist_train, trainer=self.specialist_trainer,
+            spec=self.spec, world=self.world, base_uri=base_uri, train=self.specialist_train, trainer=self.specialist_trainer,
             rl=self.specialist_rl,
             min_accuracy=self.min_accuracy, workers=self.workers, retries=self.retries,
             retry_delay_seconds=self.retry_delay_seconds,
@@ -441,7 +474,7 @@ class PipelineConfig(_Config):
               label: str = "") -> MergeConfig:
         """The merge of this pipeline; ``opd`` overrides some of its ``opd`` fields (a variant named ``label``)."""
         return MergeConfig(
-            world=self.world, student_uri=student_uri, teachers=teachers, experiment=self.experiment,
+            spec=self.spec, world=self.world, student_uri=student_uri, teachers=teachers, experiment=self.experiment,
             opd=self.opd.model_validate({**self.opd.model_dump(), **(opd or {})}), label=label,
             retries=self.retries, retry_delay_seconds=self.retry_delay_seconds,
         )

@@ -14,7 +14,7 @@ from pathlib import Path
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 
 from tasks.config import WorldConfig
-from tasks.paths import world_dir
+from tasks.paths import building, world_dir
 from tasks.tokenizer import build_char_tokenizer, save_tokenizer
 from tasks.world import (
     DEFAULT_TEMPLATE,
@@ -52,7 +52,7 @@ def load_prompt_file(path: str | Path, route: Route) -> list[str]:
     route's domain and whose prompt + gold completion + EOS fits :data:`MAX_ROW_TOKENS` tokens. The file must hold at
     least two distinct problems (one to train on, one to evaluate). Raises :class:`tasks.preflight.InputError` listing
     every bad row by line number (JSONL; row number for parquet), not only the first."""
-    from tasks.preflight import InputError, Problem
+    from tasks.problems import InputError, Problem
 
     path = Path(path)
     file, field = str(path), f"world.prompt_files[{route.name}]"
@@ -165,9 +165,14 @@ def build_world(cfg: WorldConfig, root: Path | None = None) -> Path:
     out = (root or world_dir()) / f"v{WORLD_VERSION}-{cfg.config_hash()}"
     if (out / "DONE").exists():
         return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    with building(out) as tmp:
+        _write_world(cfg, tmp)
+    # The latest world's tokenizer is also the registry CLI's default reference tokenizer.
+    shutil.copytree(out / "tokenizer", (root or world_dir()) / "tokenizer", dirs_exist_ok=True)
+    return out
+
+
+def _write_world(cfg: WorldConfig, tmp: Path) -> None:
     save_tokenizer(build_char_tokenizer(), tmp / "tokenizer")
     train_parts, eval_parts = [], []
     for route in cfg.route_objs():
@@ -179,12 +184,6 @@ def build_world(cfg: WorldConfig, root: Path | None = None) -> Path:
         str(tmp / "prompts")
     )
     (tmp / "config.json").write_text(cfg.model_dump_json(indent=2))
-    (tmp / "DONE").write_text("ok\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    # The latest world's tokenizer is also the registry CLI's default reference tokenizer.
-    shutil.copytree(out / "tokenizer", (root or world_dir()) / "tokenizer", dirs_exist_ok=True)
-    return out
 
 
 def load_prompts(world_path: str | Path) -> DatasetDict:

@@ -30,7 +30,8 @@ from tasks.rollout import (
     rollout_from_responses,
     token_logprobs,
 )
-from tasks.world import Route, verify
+from tasks.evaluate import right
+from tasks.verifiers import Verifier
 
 OffPolicySource = Literal["teacher", "dataset"]
 
@@ -39,11 +40,11 @@ OffPolicySource = Literal["teacher", "dataset"]
 class Batch:
     """Sequences to learn on. ``version`` is the number of optimizer steps the generating policy had taken (-1 for
     off-policy data); ``tokens`` holds behaviour/old log-probs (on-policy batches whose objective needs them);
-    ``rewards_B`` is the route verifier's 0/1 outcome on each response."""
+    ``answers`` are the rows' reference answers; ``rewards_B`` is the route verifier's 0/1 outcome on each response."""
 
     rollout: Rollout
     routes: list[str]
-    problems: list[str]
+    answers: list[str]
     on_policy: bool
     version: int
     rewards_B: torch.Tensor
@@ -81,10 +82,12 @@ def repetition_rate(ids: list[int], n: int = 3) -> float:
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
-def verifier_rewards(tok: PreTrainedTokenizerBase, rollout: Rollout, routes: list[str], problems: list[str]) -> torch.Tensor:
-    """1.0 where the response's final answer is right for its route and problem, else 0.0: ``[B]``."""
+def verifier_rewards(tok: PreTrainedTokenizerBase, rollout: Rollout, routes: list[str], answers: list[str],
+                     verifiers: Mapping[str, Verifier]) -> torch.Tensor:
+    """1.0 where the response is right by its route's verifier (a full score against its reference answer), else
+    0.0: ``[B]``."""
     texts = decode_responses(tok, rollout)
-    return torch.tensor([float(verify(Route.parse(r), p, t)) for r, p, t in zip(routes, problems, texts)])
+    return torch.tensor([float(right(verifiers[r], [t], [a], [""])[0]) for r, a, t in zip(routes, answers, texts)])
 
 
 def sample_batch(
@@ -92,7 +95,7 @@ def sample_batch(
     tok: PreTrainedTokenizerBase,
     prompts: list[str],
     routes: list[str],
-    problems: list[str],
+    answers: list[str],
     caps_B: list[int],
     version: int,
     sample_temperature: float = 1.0,
@@ -100,6 +103,8 @@ def sample_batch(
     with_logprobs: bool = False,
     engine: VLLMRollout | None = None,
     generator: torch.Generator | None = None,
+    *,
+    verifiers: Mapping[str, Verifier],
 ) -> Batch:
     """On-policy rollouts of ``model`` (sampled at ``sample_temperature``, no top-k/top-p; each row cut at its route's
     cap), by transformers (drawing from ``generator`` when given, else torch's global one) or by the vLLM ``engine``
@@ -122,8 +127,8 @@ def sample_batch(
         lp = token_logprobs(model, rollout, temps)
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
     fault("generate")  # test-only (tasks/faults.py): a kill here loses a batch sampled but not yet learned from
-    rewards_B = verifier_rewards(tok, rollout, routes, problems)
-    return Batch(rollout, routes, problems, True, version, rewards_B, tokens, len(prompts),
+    rewards_B = verifier_rewards(tok, rollout, routes, answers, verifiers)
+    return Batch(rollout, routes, answers, True, version, rewards_B, tokens, len(prompts),
                  int(rollout.response_lengths_B.sum()))
 
 
@@ -142,14 +147,16 @@ class OffPolicyData:
         teacher_of: dict[str, str],
         gold: dict[str, str],
         sample_temperature: float = 1.0,
+        *,
+        verifiers: Mapping[str, Verifier],
     ):
         if source not in ("teacher", "dataset"):
             raise ValueError(f"off-policy source must be 'teacher' or 'dataset', got {source!r}")
         self.source, self.tok, self.teachers, self.teacher_of = source, tok, teachers, teacher_of
-        self.gold, self.sample_temperature = gold, sample_temperature
+        self.gold, self.sample_temperature, self.verifiers = gold, sample_temperature, verifiers
         self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
 
-    def batch(self, prompts: list[str], routes: list[str], problems: list[str], caps_B: list[int],
+    def batch(self, prompts: list[str], routes: list[str], answers: list[str], caps_B: list[int],
               generator: torch.Generator | None = None) -> Batch:
         """Off-policy completions of ``prompts``; teacher samples missing from the cache are drawn from ``generator``
         when given, else from torch's global one."""
@@ -164,8 +171,8 @@ class OffPolicyData:
             generated, generated_tokens = self._fill(prompts, routes, caps_B, generator)
             responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
         rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses), caps_B, self.tok.eos_token_id)
-        rewards_B = verifier_rewards(self.tok, rollout, routes, problems)
-        return Batch(rollout, routes, problems, False, -1, rewards_B, None, generated, generated_tokens)
+        rewards_B = verifier_rewards(self.tok, rollout, routes, answers, self.verifiers)
+        return Batch(rollout, routes, answers, False, -1, rewards_B, None, generated, generated_tokens)
 
     def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int],
               generator: torch.Generator | None) -> tuple[int, int]:
@@ -189,7 +196,7 @@ class OffPolicyData:
 
 class PromptSampler:
     """Draws batches mixed uniformly over routes from each route's training prompts (``route -> (prompts,
-    problems)``), deterministic in ``seed``; also flips GKD's lambda coin for each batch."""
+    answers)``), deterministic in ``seed``; also flips GKD's lambda coin for each batch."""
 
     def __init__(self, train: dict[str, tuple[list[str], list[str]]], seed: int):
         self.train, self.routes = train, list(train)
@@ -232,8 +239,11 @@ class BatchProducer:
         overlap: bool = False,
         engine: VLLMRollout | None = None,
         seed: int = 0,
+        *,
+        verifiers: Mapping[str, Verifier],
     ):
         self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
+        self.verifiers = verifiers
         self.batch_size, self.with_logprobs, self.overlap, self.engine = batch_size, with_logprobs, overlap, engine
         self.temps = (sample_temperature, divergence_temperature)
         self.rollout_model = None
@@ -245,12 +255,13 @@ class BatchProducer:
         self.sync_seconds = 0.0  # time of the last weight sync into the rollout model
 
     def _make(self, model: PreTrainedModel, on_policy: bool, version: int, drawn) -> Batch:
-        prompts, routes, problems = drawn
+        prompts, routes, answers = drawn
         caps_B = [self.caps[r] for r in routes]
         if on_policy:
-            return sample_batch(model, self.tok, prompts, routes, problems, caps_B, version, *self.temps,
-                                with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator)
-        return self.offpolicy.batch(prompts, routes, problems, caps_B, self.generator)
+            return sample_batch(model, self.tok, prompts, routes, answers, caps_B, version, *self.temps,
+                                with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator,
+                                verifiers=self.verifiers)
+        return self.offpolicy.batch(prompts, routes, answers, caps_B, self.generator)
 
     def next(self, lmbda: float, version: int) -> Batch:
         """The next batch; ``version`` is the number of optimizer steps the student has taken so far."""
@@ -500,7 +511,7 @@ def opd_step(
     tok: PreTrainedTokenizerBase,
     prompts: list[str],
     routes: list[str],
-    problems: list[str],
+    answers: list[str],
     groups: dict[str, list[int]],
     optimizer: torch.optim.Optimizer,
     scheduler,
@@ -508,12 +519,15 @@ def opd_step(
     objective: Objective = Objective(),
     chunk_size: int = 16,
     grad_clip: float = 1.0,
+    *,
+    verifiers: Mapping[str, Verifier],
 ) -> StepStats:
     """One plain on-policy step with one objective for every route: sample, score, update (``routes[i]`` is row i's
     route, ``groups`` maps each teacher to the rows it scores)."""
     t0 = time.perf_counter()
-    batch = sample_batch(student, tok, prompts, routes, problems, [max_new_tokens] * len(prompts), 0,
-                         objective.sample_temperature, objective.temperature, with_logprobs=objective.policy_gradient)
+    batch = sample_batch(student, tok, prompts, routes, answers, [max_new_tokens] * len(prompts), 0,
+                         objective.sample_temperature, objective.temperature, with_logprobs=objective.policy_gradient,
+                         verifiers=verifiers)
     t1 = time.perf_counter()
     hidden = score_with_teachers(teachers, groups, batch.rollout)
     t2 = time.perf_counter()

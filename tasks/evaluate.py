@@ -1,15 +1,26 @@
-"""Greedy evaluation per route with the route's verifier, and retention = student accuracy / teacher accuracy."""
+"""Greedy evaluation per route with the route's verifier (from its spec, :mod:`tasks.prompt_set`), and retention =
+student accuracy / teacher accuracy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.rollout import decode_responses, generate
-from tasks.world import Route, format_ok, verify
+from tasks.verifiers import Verifier
+
+
+def verdicts(verify: Verifier, texts: list[str], answers: list[str], prompts: list[str]) -> list[float]:
+    """The verifier's score of each completion against its reference (the row it sees: prompt and answer)."""
+    return [verify(t, a, {"prompt": p, "answer": a}) for t, a, p in zip(texts, answers, prompts)]
+
+
+def right(verify: Verifier, texts: list[str], answers: list[str], prompts: list[str]) -> list[bool]:
+    """Accuracy's verdict: a completion is right only at a full score (partial credit is not accuracy)."""
+    return [score >= 1.0 for score in verdicts(verify, texts, answers, prompts)]
 
 
 @dataclass(frozen=True)
@@ -23,19 +34,20 @@ class RouteScore:
 def evaluate_route(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
-    route: str,
+    verify: Verifier,
     prompts: list[str],
-    problems: list[str],
+    answers: list[str],
     max_new_tokens: int,
     batch_size: int = 256,
 ) -> RouteScore:
-    """Greedy decoding on the route's held-out prompts; the verifier checks the final answer only."""
-    r = Route.parse(route)
+    """Greedy decoding on a route's held-out prompts; ``verify`` (the route's verifier) checks each response against
+    its reference answer."""
     correct, length, trunc = 0, 0.0, 0.0
     for s in range(0, len(prompts), batch_size):
-        ro = generate(model, tok, prompts[s:s + batch_size], max_new_tokens, greedy=True)
+        chunk = list(prompts[s:s + batch_size])
+        ro = generate(model, tok, chunk, max_new_tokens, greedy=True)
         texts = decode_responses(tok, ro)
-        correct += sum(verify(r, p, t) for p, t in zip(problems[s:s + batch_size], texts))
+        correct += sum(right(verify, texts, list(answers[s:s + batch_size]), chunk))
         length += float(ro.response_lengths_B.float().sum())
         trunc += float(ro.truncated_B.float().sum())
     n = len(prompts)
@@ -47,16 +59,18 @@ def evaluate_routes(
     tok: PreTrainedTokenizerBase,
     eval_sets: dict[str, tuple[list[str], list[str]]],
     max_new_tokens: int | dict[str, int],
+    verifiers: Mapping[str, Verifier],
 ) -> dict[str, RouteScore]:
-    """``eval_sets``: route -> (prompts, problems); ``max_new_tokens`` one cap or a cap per route."""
+    """``eval_sets``: route -> (prompts, answers); ``max_new_tokens`` one cap or a cap per route; ``verifiers``:
+    route -> its verifier."""
     caps = max_new_tokens if isinstance(max_new_tokens, dict) else {r: max_new_tokens for r in eval_sets}
-    return {r: evaluate_route(model, tok, r, p, q, caps[r]) for r, (p, q) in eval_sets.items()}
+    return {r: evaluate_route(model, tok, verifiers[r], p, a, caps[r]) for r, (p, a) in eval_sets.items()}
 
 
 @dataclass(frozen=True)
 class GateResult:
     """The cold-start gate: per route, the fraction of sampled responses that end with EOS and the fraction that also
-    have the route's format (:func:`tasks.world.format_ok`)."""
+    have the route's shape (its spec's ``verify.format``)."""
 
     threshold: float
     eos_rate: dict[str, float]
@@ -82,18 +96,19 @@ def compliance_gate(
     prompts: dict[str, list[str]],
     caps: dict[str, int],
     threshold: float,
+    well_formed: Callable[[str, str], bool],
     temperature: float = 1.0,
 ) -> GateResult:
     """Sample the student as the on-policy stage will (at the sampling temperature) on each route's ``prompts`` and
-    measure EOS and format compliance: reverse KL can only teach behaviour the student already samples."""
+    measure EOS and format compliance (``well_formed(route, text)``): reverse KL can only teach behaviour the student
+    already samples."""
     eos, fmt = {}, {}
     for r, plist in prompts.items():
         ro = generate(model, tok, plist, caps[r], greedy=False, temperature=temperature)
         texts = decode_responses(tok, ro)
         ended_B = ~ro.truncated_B
-        route = Route.parse(r)
         eos[r] = float(ended_B.float().mean())
-        fmt[r] = sum(bool(e) and format_ok(route, t) for e, t in zip(ended_B, texts)) / len(plist)
+        fmt[r] = sum(bool(e) and well_formed(r, t) for e, t in zip(ended_B, texts)) / len(plist)
     return GateResult(threshold, eos, fmt)
 
 
@@ -116,6 +131,17 @@ def mean_retention(rows: Iterable[Mapping[str, Any]]) -> float:
     return route_mean(row["retention"] for row in rows)
 
 
+def label_means(per_route: Mapping[str, float], labels: Mapping[str, Mapping[str, str]]) -> dict[str, float]:
+    """``{"<label>/<value>": mean}`` for every label a route spec gives (``domain``, ``budget``, ...): the
+    :func:`route_mean` over the routes carrying that value, so "how much math did the merge keep" (``domain/math``)
+    reads as directly as one route. Routes without the label are left out of its means."""
+    groups: dict[str, list[float]] = {}
+    for route, value in per_route.items():
+        for key, label in sorted(labels.get(route, {}).items()):
+            groups.setdefault(f"{key}/{label}", []).append(value)
+    return {group: route_mean(values) for group, values in sorted(groups.items())}
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k estimate from ``n`` samples of which ``c`` are right: ``1 - C(n-c, k) / C(n, k)``
     (Chen et al., 2021), computed as a stable product."""
@@ -132,17 +158,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def sampled_pass_at_k(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
-    route: str,
+    verify: Verifier,
     prompts: list[str],
-    problems: list[str],
+    answers: list[str],
     max_new_tokens: int,
     k: int,
     n: int,
     temperature: float = 1.0,
 ) -> float:
-    """Mean pass@k over ``prompts`` from ``n`` samples each at ``temperature`` (route verifier): whether the right
-    answer is still within the student's reach when its greedy answer is wrong (diversity a collapse would lose)."""
-    r = Route.parse(route)
-    ro = generate(model, tok, [p for p in prompts for _ in range(n)], max_new_tokens, temperature=temperature)
-    right = [verify(r, q, t) for q, t in zip([q for q in problems for _ in range(n)], decode_responses(tok, ro))]
-    return sum(pass_at_k(n, sum(right[i * n:(i + 1) * n]), k) for i in range(len(prompts))) / len(prompts)
+    """Mean pass@k over ``prompts`` from ``n`` samples each at ``temperature`` (the route's verifier): whether the
+    right answer is still within the student's reach when its greedy answer is wrong (diversity a collapse would
+    lose)."""
+    many = [p for p in prompts for _ in range(n)]
+    ro = generate(model, tok, many, max_new_tokens, temperature=temperature)
+    ok = right(verify, decode_responses(tok, ro), [a for a in answers for _ in range(n)], many)
+    return sum(pass_at_k(n, sum(ok[i * n:(i + 1) * n]), k) for i in range(len(prompts))) / len(prompts)

@@ -23,7 +23,6 @@ from tqdm.auto import tqdm
 from tasks.log import Progress, say
 from tasks.checkpoint import MergeCheckpoints, batch_from_state, batch_state
 from tasks.config import MergeConfig
-from tasks.data import eval_sets, load_prompts, max_new_tokens_for, rows_by_route
 from tasks.engines import (
     EndpointTeacher,
     EngineTeacher,
@@ -48,6 +47,7 @@ from tasks.evaluate import (
     compliance_gate,
     evaluate_route,
     evaluate_routes,
+    label_means,
     mean_retention,
     retention,
     route_mean,
@@ -56,6 +56,7 @@ from tasks.evaluate import (
 from tasks.losses import DIAGNOSTICS, Objective
 from tasks.models import checkpoint_fingerprint, load_model, save_model
 from tasks.paths import models_dir
+from tasks.prompt_set import load_prompt_set
 from tasks.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tasks.teacher_pool import TeacherPool
@@ -66,6 +67,7 @@ from tasks.tracking import (
     end_run,
     log_metrics,
     log_retention,
+    log_spec,
     logged_metrics,
     promote_if_best,
     register_version,
@@ -78,8 +80,11 @@ from teachers.registry import TeacherRecord, registry_fingerprint
 from teachers.router import Router
 
 
-def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float]) -> dict[str, float]:
-    """``accuracy/<route>``, ``retention/<route>``, ``response_length/<route>`` and their means over routes."""
+def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
+                  labels: dict[str, dict[str, str]] | None = None) -> dict[str, float]:
+    """``accuracy/<route>``, ``retention/<route>``, ``response_length/<route>``, their means over routes and, with the
+    spec's route ``labels``, ``retention_by/<label>/<value>`` (the mean over that label's routes, e.g.
+    ``retention_by/domain/math``)."""
     m: dict[str, float] = {}
     for r, s in scores.items():
         m[f"accuracy/{r}"] = s.accuracy
@@ -87,6 +92,8 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float]) 
         m[f"response_length/{r}"] = s.response_length
     for key in ("accuracy", "retention", "response_length"):
         m[f"{key}/mean"] = route_mean(m[f"{key}/{r}"] for r in scores)
+    for group, value in label_means({r: m[f"retention/{r}"] for r in scores}, labels or {}).items():
+        m[f"retention_by/{group}"] = value
     return m
 
 
@@ -184,11 +191,14 @@ class MergeLoop:
     stage it was taken in continues from its step with the optimizer, schedule, RNG and sampler states it had, and
     metrics MLflow already holds from a killed attempt are not logged twice."""
 
-    def __init__(self, cfg: MergeConfig, world_path: str, router: Router, run_id: str,
+    def __init__(self, cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
                  checkpoints: MergeCheckpoints | None = None):
         opd = self.opd = cfg.opd
         torch.manual_seed(opd.seed)
-        self.run_id, self.router, self.routes = run_id, router, cfg.world.routes
+        self.ps = load_prompt_set(prompt_set)
+        self.run_id, self.router, self.routes = run_id, router, self.ps.routes
+        self.verifiers = self.ps.verifiers
+        self.labels = {r: self.ps.labels(r) for r in self.routes}
         self.tok = load_tokenizer(cfg.student_uri)
         student_fp = tokenizer_fingerprint(self.tok)
         self.student = load_model(cfg.student_uri).eval()
@@ -207,15 +217,14 @@ class MergeLoop:
         self.teachers = TeacherPool(list(records), lambda name: _load_teacher(records[name], student_fp),
                                     opd.max_resident_teachers)
         self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
-        prompts = load_prompts(world_path)
-        default_cap = opd.max_new_tokens or max_new_tokens_for(self.tok, prompts["train"]["completion"])
-        self.caps = {r: opd.route_max_new_tokens.get(r, default_cap) for r in self.routes}
-        by_route = rows_by_route(prompts["train"])
-        self.sampler = PromptSampler({r: (by_route[r]["prompt"], by_route[r]["problem"]) for r in self.routes}, opd.seed)
-        gold = dict(zip(prompts["train"]["prompt"], prompts["train"]["completion"]))
+        # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
+        self.caps = {r: opd.route_max_new_tokens.get(r, opd.max_new_tokens or self.ps.cap(r)) for r in self.routes}
+        self.sampler = PromptSampler(self.ps.train_sets(), opd.seed)
+        train = self.ps.splits["train"]
+        gold = dict(zip(train["prompt"], train["completion"]))
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
-                                       opd.sample_temperature)
-        self.eval_sets = {r: s for r, s in eval_sets(world_path).items() if r in self.routes}
+                                       opd.sample_temperature, verifiers=self.verifiers)
+        self.eval_sets = self.ps.eval_sets()
         self.step = 0
         self.engine, self.served = self._vllm_engines(cfg, records, gold)
         self.version = 0
@@ -271,7 +280,7 @@ class MergeLoop:
         return engine, served
 
     def evaluate(self, model) -> dict[str, RouteScore]:
-        return evaluate_routes(model, self.tok, self.eval_sets, self.caps)
+        return evaluate_routes(model, self.tok, self.eval_sets, self.caps, self.verifiers)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Log on the lead; a value MLflow already holds for this key and step (from a killed attempt) is skipped.
@@ -309,13 +318,14 @@ class MergeLoop:
         n_eval = sum(len(v[0]) for v in self.eval_sets.values())
         self.say(f"evaluating {len(self.teachers)} teachers and the initial student on {n_eval} held-out prompts")
         self.teacher_acc = {
-            r: evaluate_route(self.teachers[self.teacher_of[r]], self.tok, r, *self.eval_sets[r], self.caps[r]).accuracy
+            r: evaluate_route(self.teachers[self.teacher_of[r]], self.tok, self.verifiers[r], *self.eval_sets[r],
+                              self.caps[r]).accuracy
             for r in self.routes
         }
         base = self.scores = self.base_scores = self.evaluate(self.student)
         self.log({**{f"teacher_accuracy/{r}": a for r, a in self.teacher_acc.items()},
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
-                  **route_metrics(base, self.teacher_acc)}, 0)
+                  **route_metrics(base, self.teacher_acc, self.labels)}, 0)
         return base
 
     def stage(self, name: str, steps: int, lr: float, lmbda: float, objectives: dict[str, Objective]) -> None:
@@ -330,7 +340,8 @@ class MergeLoop:
         needs_logprobs = lmbda > 0 and (opd.reward_weight > 0 or any(o.policy_gradient for o in objectives.values()))
         producer = BatchProducer(self.student, self.tok, self.sampler, self.offpolicy, self.caps, opd.batch_size,
                                  opd.sample_temperature, opd.divergence_temperature, needs_logprobs,
-                                 opd.overlap_generation, self.engine, seed=opd.seed * 1009 + no)
+                                 opd.overlap_generation, self.engine, seed=opd.seed * 1009 + no,
+                                 verifiers=self.verifiers)
         served_k = {name: served_logprobs_k([objectives[r] for r in self.routes if self.teacher_of[r] == name])
                     for name in self.teachers}
         stage_id = {"cold_start": 1, "on_policy": 2}[name]
@@ -488,7 +499,7 @@ class MergeLoop:
 
     def _eval_metrics(self) -> dict[str, float]:
         self.scores = self.evaluate(self.student)
-        m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc), **self._pass_at_k(),
+        m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc, self.labels), **self._pass_at_k(),
              **{f"teacher_tokens/{name}": tokens for name, (tokens, _) in self.teacher_costs.items()},
              **{f"time/teacher_total/{name}": seconds for name, (_, seconds) in self.teacher_costs.items()}}
         self.say(f"step {self.step}: mean retention {m['retention/mean']:.3f}, "
@@ -507,9 +518,10 @@ class MergeLoop:
         with torch.random.fork_rng():
             torch.manual_seed(opd.seed * 1_000_003 + self.step)
             for r in self.routes:
-                prompts, problems = (x[: opd.pass_k_prompts] for x in self.eval_sets[r])
+                prompts, answers = (x[: opd.pass_k_prompts] for x in self.eval_sets[r])
                 out[f"pass_at_{opd.pass_k}/{r}"] = sampled_pass_at_k(
-                    self.student, self.tok, r, prompts, problems, self.caps[r], opd.pass_k, opd.pass_k_samples,
+                    self.student, self.tok, self.verifiers[r], prompts, answers, self.caps[r], opd.pass_k,
+                    opd.pass_k_samples,
                     opd.sample_temperature)
         return out
 
@@ -519,7 +531,7 @@ class MergeLoop:
             return self.gates[self.gate_calls - 1]
         prompts = {r: self.eval_sets[r][0][: self.opd.gate_samples] for r in self.routes}
         res = compliance_gate(self.student, self.tok, prompts, self.caps, self.opd.gate_threshold,
-                              self.opd.sample_temperature)
+                              self.ps.well_formed, self.opd.sample_temperature)
         self.gates.append(res)
         self.log({"gate/passed": float(res.passed),
                   **{f"gate/eos_rate/{r}": v for r, v in res.eos_rate.items()},
@@ -539,7 +551,7 @@ def _rng_state(state: list) -> tuple:
 
 
 @task(name="distill", cache_policy=NO_CACHE, retry_condition_fn=is_transient)
-def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str,
+def run_merge(cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
               checkpoint_dir: str | None = None) -> dict:
     """Merge the routed teachers into ``cfg.student_uri``: an optional off-policy cold start (supervised KD on
     teacher samples or gold completions), the compliance gate, then on-policy distillation with each route's
@@ -554,17 +566,17 @@ def run_merge(cfg: MergeConfig, world_path: str, router: Router, run_id: str,
     merge checkpoints itself there and resumes from the newest checkpoint it finds; it is marked finished at the end.
     """
     if cfg.opd.nproc > 1:
-        return run_ranks(merge_rank, cfg.opd.nproc, cfg.opd.dist_backend, cfg, world_path, router, run_id,
+        return run_ranks(merge_rank, cfg.opd.nproc, cfg.opd.dist_backend, cfg, prompt_set, router, run_id,
                          checkpoint_dir)
-    return merge_rank(cfg, world_path, router, run_id, checkpoint_dir)
+    return merge_rank(cfg, prompt_set, router, run_id, checkpoint_dir)
 
 
-def merge_rank(cfg: MergeConfig, world_path: str, router: Router, run_id: str,
+def merge_rank(cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
                checkpoint_dir: str | None = None) -> dict:
     """The body of :func:`run_merge` on one rank; rank 0 saves, registers and returns the references."""
     opd = cfg.opd
     checkpoints = MergeCheckpoints(checkpoint_dir) if checkpoint_dir else None
-    loop = MergeLoop(cfg, world_path, router, run_id, checkpoints)
+    loop = MergeLoop(cfg, prompt_set, router, run_id, checkpoints)
     base_scores = loop.baseline()
     routes = loop.routes
     cold_start = {r: opd.cold_start_objective() for r in routes}
@@ -612,20 +624,22 @@ def merge_rank(cfg: MergeConfig, world_path: str, router: Router, run_id: str,
     say(f"registered {STUDENT_MODEL} version {version}" + (" as @champion" if champion else ""))
     end_run(run_id, {"merged_student_uri": str(out), "registered_model": f"{STUDENT_MODEL}/{version}",
                      "champion": str(champion)})
-    result = {"run_id": run_id, "student_uri": str(out), "rows": rows, "model_version": version, "champion": champion}
+    result = {"run_id": run_id, "student_uri": str(out), "rows": rows, "model_version": version, "champion": champion,
+              "retention_by": label_means({row["route"]: row["retention"] for row in rows}, loop.labels)}
     if checkpoints is not None:
         checkpoints.finish({"run_id": run_id, "result": result})
     return result
 
 
-def open_merge_run(cfg: MergeConfig, router: Router, run_name: str) -> tuple[str, MergeCheckpoints]:
+def open_merge_run(cfg: MergeConfig, router: Router, run_name: str, prompt_set: str) -> tuple[str, MergeCheckpoints]:
     """This merge's MLflow run and checkpoint folder, locked for this process (:meth:`MergeCheckpoints.release`).
 
     The same command (same config up to :data:`tasks.checkpoint.RUN_POLICY`, student, teachers and MLflow store)
     after a kill or a failure reopens the run it started, to resume from its last checkpoint (``opd.resume``).
     A merge that finished, or ``opd.resume`` false, gets a new run and starts over (and says so)."""
     student_fp = checkpoint_fingerprint(cfg.student_uri) if Path(cfg.student_uri).is_dir() else cfg.student_uri
-    checkpoints = MergeCheckpoints.for_merge(cfg, student_fp, registry_fingerprint(router.teachers()), tracking_uri())
+    checkpoints = MergeCheckpoints.for_merge(cfg, student_fp, registry_fingerprint(router.teachers()), tracking_uri(),
+                                             Path(prompt_set).name)
     checkpoints.acquire()
     try:
         checkpoints.clean()
@@ -643,7 +657,7 @@ def open_merge_run(cfg: MergeConfig, router: Router, run_name: str) -> tuple[str
             say(f"opd.resume is false: starting over in a new run; the checkpoints of MLflow run {previous} are "
                 "dropped")
             mark_failed(previous, "KILLED")
-        run_id = start_merge_run(cfg, router, run_name)
+        run_id = start_merge_run(cfg, router, run_name, prompt_set)
         checkpoints.begin(run_id)
         return run_id, checkpoints
     except BaseException:
@@ -661,8 +675,9 @@ def mark_failed(run_id: str, status: str = "FAILED") -> None:
             "until the same command resumes it")
 
 
-def start_merge_run(cfg: MergeConfig, router: Router, run_name: str) -> str:
-    """Create the merge's MLflow run: every config field as a param, teachers and fingerprints as tags."""
+def start_merge_run(cfg: MergeConfig, router: Router, run_name: str, prompt_set: str) -> str:
+    """Create the merge's MLflow run: every config field as a param, teachers and fingerprints as tags, the route
+    spec as an artifact with its hash as a param (:func:`tasks.tracking.log_spec`)."""
     records = router.teachers()
     tags = {
         "teachers": ",".join(r.name for r in records),
@@ -670,4 +685,6 @@ def start_merge_run(cfg: MergeConfig, router: Router, run_name: str) -> str:
         "student_uri": cfg.student_uri,
         **{f"teacher.{r.name}": f"{r.route} {r.tokenizer_fingerprint} {r.model_uri}" for r in records},
     }
-    return start_run(cfg.experiment, run_name, config_params(cfg), tags)
+    run_id = start_run(cfg.experiment, run_name, config_params(cfg), tags)
+    log_spec(run_id, prompt_set)
+    return run_id

@@ -1,6 +1,7 @@
 """Where the project keeps its state. One root, ``$OPD_HOME`` or ``<project>/.opd``, holds everything a run writes:
 
-    .opd/world/        tokenizer and prompt datasets (datasets.save_to_disk), keyed by world config hash
+    .opd/world/        the built-in world: its generated data and route spec, keyed by world config hash
+    .opd/prompt_sets/  rendered prompt sets (tasks/prompt_set.py) built from route specs, keyed by their inputs
     .opd/models/       base, specialists and merged students (safetensors checkpoints)
     .opd/checkpoints/  merge checkpoints, one folder per merge, to resume after a kill (tasks/checkpoint.py)
     .opd/registry.json the teacher registry
@@ -17,7 +18,9 @@ too, so two checkouts never hand each other their worlds, bases or specialists.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +42,23 @@ def models_dir() -> Path:
 
 def world_dir() -> Path:
     return state_dir() / "world"
+
+
+def prompt_sets_dir() -> Path:
+    return state_dir() / "prompt_sets"
+
+
+@contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """Build a cached folder atomically: yields an empty ``<out>.tmp`` to write into; on success it gets a ``DONE``
+    marker and replaces ``out``, so a folder with ``DONE`` is always whole (a crash leaves only the ``.tmp``)."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
 
 
 def state_env(env: Mapping[str, str]) -> dict[str, str]:

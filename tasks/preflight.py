@@ -31,45 +31,19 @@ What is checked, and the rule behind each:
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tasks.world import WORLD_VERSION
+from tasks.problems import CONFIG, InputError, Problem  # noqa: F401  (re-exported: the checks' vocabulary)
 
 # The architecture a fine-tune keeps from its base (transformers config attributes; gpt2-style names are aliased).
 ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                "vocab_size")
 # Pickle formats: loading one can run arbitrary code, so weights must come as safetensors.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# A folder name build_world writes (v<WORLD_VERSION>-<config hash>): the only provenance.data this module opens.
-WORLD_NAME_RE = re.compile(r"^v\d+-[0-9a-f]{12}$")
-CONFIG = "config"  # the ``file`` of a problem in a flow's parameters (command line, prefect.yaml or the UI form)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One bad input: ``file`` holds it, ``field`` names where in it, ``message`` says what is wrong and what was
-    expected."""
-
-    file: str
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.field}: {self.message}"
-
-
-class InputError(ValueError):
-    """Bad input found before any model work; ``problems`` lists every one found, not only the first."""
-
-    def __init__(self, problems: Iterable[Problem], what: str = "input"):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s) in the {what}, refused before any model work:\n{lines}")
 
 
 @dataclass
@@ -77,6 +51,7 @@ class Report:
     """What a passed preflight found: the student checkpoint, the routed teachers and the warnings."""
 
     student_uri: str = ""
+    routes: list[str] = field(default_factory=list)  # the routes of the spec (the built-in world's by default)
     teachers: dict[str, str] = field(default_factory=dict)  # route -> teacher name
     warnings: list[str] = field(default_factory=list)
 
@@ -135,6 +110,35 @@ def world_problems(world) -> tuple[dict[str, tuple[list[str], list[str]]], list[
     return splits, problems
 
 
+def spec_problems(cfg, tokenizer: str = "", context: int = 128):
+    """The prompt set a flow with ``cfg.spec`` / ``cfg.world`` will read, built here (cached) with ``tokenizer`` (the
+    folder of the model that reads it), and the problems that keep it from being built: for the built-in world its
+    prompt files and splits, for a user's spec everything :func:`tasks.prompt_set.build_prompt_set` checks (file,
+    fields, columns, splits, verifiers, template, lengths). Returns (PromptSet or None, problems)."""
+    from tasks.prompt_set import build_prompt_set, load_prompt_set
+
+    if not cfg.spec:
+        _, problems = world_problems(cfg.world)
+        if problems:
+            return None, problems
+        from tasks.data import build_world
+        from tasks.world_spec import write_world_spec
+
+        spec_path = write_world_spec(cfg.world, build_world(cfg.world))
+    else:
+        spec_path = Path(cfg.spec).expanduser().resolve()
+    try:
+        ps = load_prompt_set(build_prompt_set(spec_path, tokenizer, context))
+    except InputError as e:
+        return None, e.problems
+    if cfg.spec:  # the config's per-route settings, checked against the spec's routes (world.routes: at construction)
+        try:
+            cfg.opd.check_routes(ps.routes, f"the routes of {cfg.spec}")
+        except ValueError as e:
+            return ps, [Problem(CONFIG, "opd", str(e))]
+    return ps, []
+
+
 # --------------------------------------------------------------------------------------------------------- registry
 
 
@@ -153,16 +157,16 @@ def registry_problems(registry=None) -> tuple[Any, list[Problem]]:
     return registry, []
 
 
-def routing_problems(registry, routes: list[str], teacher_names: list[str] | None):
+def routing_problems(registry, routes: list[str], teacher_names: list[str] | None, fill_newest: bool = False):
     """The router of ``routes`` (None when it cannot be formed), its warnings and the problems."""
     from teachers.registry import TeacherNotFound
     from teachers.router import Router, RoutingError, UnmappedRouteError
 
     file = str(registry.path)
     try:
-        router = Router.from_registry(registry, routes, teacher_names or None)
+        router = Router.from_registry(registry, routes, teacher_names or None, fill_newest)
     except UnmappedRouteError as e:
-        return None, [], [Problem(file, "world.routes", f"{e}; expected a registered teacher for every route "
+        return None, [], [Problem(file, "routes", f"{e}; expected a registered teacher for every route "
                                   "(python -m teachers register ..., or train specialists)")]
     except TeacherNotFound as e:
         return None, [], [Problem(file, "teachers", f"{e}; expected names of registered teachers")]
@@ -319,28 +323,27 @@ def architecture_problems(rec, teacher_config, student: Checkpoint, student_fing
                     "registered with the wrong provenance: re-register it)")]
 
 
-def leakage_problems(rec, eval_problems: list[str], current_world: str, field_name: str) -> list[Problem]:
-    """A teacher trained on another world of this project (``provenance.data``) must not have seen this world's eval
-    problems of its route."""
-    from tasks.data import load_prompts
-    from tasks.paths import world_dir
+def leakage_problems(rec, eval_prompts: list[str], current: str, field_name: str) -> list[Problem]:
+    """A teacher trained on another prompt set of this project (``provenance.data``, a folder name) must not have
+    seen this merge's held-out prompts of its route."""
+    from tasks.paths import prompt_sets_dir
+    from tasks.prompt_set import PROMPT_SET_NAME_RE, load_prompt_set
 
     data = rec.provenance.data
-    if not data or not WORLD_NAME_RE.match(data) or data == current_world:
-        return []  # not a world folder name (so never opened as a path), or this very world
-    folder = world_dir() / data
+    if not data or not PROMPT_SET_NAME_RE.match(data) or data == current:
+        return []  # not a prompt set folder name (so never opened as a path), or this very prompt set
+    folder = prompt_sets_dir() / data
     if not (folder / "DONE").exists():
         return []
-    train = load_prompts(folder)["train"]
-    seen = {p for r, p in zip(train["route"], train["problem"]) if r == rec.route}
-    leaked = sorted(seen & set(eval_problems))
+    seen = set(load_prompt_set(folder).sets("train").get(rec.route, ([], []))[0])
+    leaked = sorted(seen & set(eval_prompts))
     if not leaked:
         return []
     return [Problem(str(folder / "prompts"), f"{field_name} provenance.data",
-                    f"the teacher trained on world {data}, whose train split holds {len(leaked)} of the "
-                    f"{len(set(eval_problems))} eval problems of route {rec.route} in this world {current_world} "
-                    f"(e.g. {leaked[:3]}); expected eval problems it never saw: build the merge's world with the "
-                    "specialists' world settings, or retrain them on this world")]
+                    f"the teacher trained on prompt set {data}, whose train split holds {len(leaked)} of the "
+                    f"{len(set(eval_prompts))} held-out prompts of route {rec.route} in this merge's {current} "
+                    f"(e.g. {leaked[:3]}); expected held-out prompts it never saw: build the merge's prompts with "
+                    "the specialists' settings, or retrain them on these")]
 
 
 def _fingerprint(uri: str) -> str | None:
@@ -352,8 +355,8 @@ def _fingerprint(uri: str) -> str | None:
         return None
 
 
-def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_problems: list[str] | None,
-                     current_world: str, student_fingerprint: Callable[[], str | None] | None = None) -> list[Problem]:
+def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts: list[str] | None,
+                     current: str, student_fingerprint: Callable[[], str | None] | None = None) -> list[Problem]:
     """Every check of one routed teacher against the student (``student_fingerprint``: computed on first need)."""
     from tasks.tokenizer import tokenizer_fingerprint
 
@@ -371,8 +374,8 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_problems
                                     "it was registered with (re-register the checkpoint)"))
     problems += architecture_problems(rec, ck.config, student, student_fingerprint or cache(lambda: _fingerprint(
         student.uri)), name)
-    if eval_problems is not None:
-        problems += leakage_problems(rec, eval_problems, current_world, name)
+    if eval_prompts is not None:
+        problems += leakage_problems(rec, eval_prompts, current, name)
     return problems
 
 
@@ -396,17 +399,6 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     from tasks.paths import models_dir
 
     problems = credential_problems({"student_uri": cfg.student_uri, "opd.reference_uri": cfg.opd.reference_uri})
-    splits, found = world_problems(cfg.world)
-    problems += found
-    current_world = f"v{WORLD_VERSION}-{cfg.world.config_hash()}"
-
-    registry, found = registry_problems(registry)
-    problems += found
-    router, warnings = None, []
-    if registry is not None:
-        router, warnings, found = routing_problems(registry, cfg.world.routes, cfg.teachers)
-        problems += found
-
     student_uri = cfg.student_uri
     if not student_uri:
         marker = models_dir() / "LATEST_BASE"
@@ -418,33 +410,50 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     if student_uri and not any(p.field == "student_uri" for p in problems):  # not a URI carrying credentials
         student = check_checkpoint(student_uri, "student_uri", grant=" (the student never runs custom code)")
         problems += student.problems
+    ps = None
+    if not any(p.field == "student_uri" for p in problems):  # the prompts are rendered with the student's tokenizer
+        ps, found = spec_problems(cfg, student_uri)
+        problems += found
+    routes = ps.routes if ps is not None else (cfg.world.routes if not cfg.spec else [])
+    current = ps.path.name if ps is not None else ""
+    held_out = ps.eval_sets() if ps is not None else {}
+
+    registry, found = registry_problems(registry)
+    problems += found
+    router, warnings = None, []
+    if registry is not None and routes:
+        from teachers.router import teacher_names
+
+        names = teacher_names(cfg.teachers, ps.spec if ps is not None else None)
+        router, warnings, found = routing_problems(registry, routes, names, fill_newest=not cfg.teachers)
+        problems += found
     ref_uri = cfg.opd.reference_uri
     if cfg.opd.reward_scale != 1.0 and ref_uri and not any(p.field == "opd.reference_uri" for p in problems):
         problems += check_checkpoint(ref_uri, "opd.reference_uri", grant=" (the reference never runs custom code)").problems
 
-    report = Report(student_uri=student_uri, warnings=warnings)
+    report = Report(student_uri=student_uri, routes=list(routes), warnings=warnings)
     if router is not None:
         for route, rec in sorted(router.mapping.items()):
             report.teachers[route] = rec.name
         student_fp = cache(lambda: _fingerprint(student.uri))  # read once, and only if a provenance names it
         for rec in router.teachers():
-            eval_problems = splits[rec.route][1] if rec.route in splits else None
-            problems += teacher_problems(rec, student, str(registry.path), eval_problems, current_world, student_fp)
+            eval_prompts = held_out[rec.route][0] if rec.route in held_out else None
+            problems += teacher_problems(rec, student, str(registry.path), eval_prompts, current, student_fp)
     return _finish(problems, report, say_warnings)
 
 
 def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
-    """Check what the pipeline reads before it trains anything: the prompt sets, the registry it will write the
-    specialists into (a bad file would only fail after every specialist trained) and the teacher names it will
+    """Check what the pipeline reads before it trains anything: the route spec and its prompt set, the registry it
+    will write the specialists into (a bad file would only fail after every specialist trained) and the teacher names it will
     give them. Raises :class:`InputError` listing every problem."""
     from teachers.registry import check_name
 
-    _, problems = world_problems(cfg.world)
+    ps, problems = spec_problems(cfg, cfg.base_model, cfg.model.max_positions)
     problems += registry_problems(registry)[1]
     prefix = cfg.specialists("").name_prefix
-    for route in cfg.world.routes:
+    for route in (ps.routes if ps is not None else []):
         try:
             check_name(f"{prefix}-{route}")
         except ValueError as e:
             problems.append(Problem(CONFIG, "name_prefix", str(e)))
-    return _finish(problems, Report(), say_warnings)
+    return _finish(problems, Report(routes=ps.routes if ps is not None else []), say_warnings)

@@ -1,18 +1,21 @@
-"""Create the base model from a config and pre-train it briefly on the mixed world (weak but non-zero everywhere)."""
+"""The tasks under `prepare base`: the route spec a flow reads (the user's, or the built-in world's), its prompt set,
+and the shared base: created from a config and pre-trained briefly on every route's reference completions (weak but
+non-zero everywhere), or a given pretrained model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
-from tasks.config import PretrainConfig
+from tasks.config import PretrainConfig, WorldConfig
 from tasks.log import say
-from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for
+from tasks.data import build_world
 from tasks.evaluate import evaluate_routes
-from tasks.models import create_model, save_model
+from tasks.models import create_model, load_model, save_model
 from tasks.paths import models_dir, state_cache_policy
-from tasks.tokenizer import load_tokenizer
+from tasks.prompt_set import PromptSet, build_prompt_set, load_prompt_set
 from tasks.train import train_sft
 from tasks.tracking import config_params, end_run, log_metrics, start_run
 
@@ -32,37 +35,72 @@ def cached(task_fn, path_of, *args):
     return res
 
 
-@task(name="build-world", cache_policy=state_cache_policy(), persist_result=True)
-def _build_world(cfg) -> str:
-    return str(build_world(cfg))
+@task(name="world-spec", cache_policy=state_cache_policy(), persist_result=True)
+def _world_spec(cfg: WorldConfig) -> str:
+    from tasks.world_spec import write_world_spec
+
+    return str(write_world_spec(cfg, build_world(cfg)))
 
 
-def build_world_task(cfg) -> str:
-    """Tokenizer and prompt sets on disk (a cached task); returns the world folder."""
-    return cached(_build_world, lambda path: path, cfg)
+def spec_file(spec: str, world: WorldConfig) -> str:
+    """The route spec a flow reads: ``spec`` (the user's file), else the built-in world's, generated from ``world``
+    (a cached task)."""
+    if spec:
+        return str(Path(spec).expanduser().resolve())
+    return cached(_world_spec, lambda path: str(Path(path).parent), world)
 
 
-def pretrain_base(cfg: PretrainConfig, world_path: str) -> dict:
-    """Pre-train a fresh base on all routes' gold completions (a cached task); returns its URI and per-route
+@task(name="build-prompt-set", cache_policy=NO_CACHE)
+def _build_prompt_set(spec_path: str, tokenizer: str, context: int) -> str:
+    return str(build_prompt_set(spec_path, tokenizer, context))
+
+
+def prompt_set_task(spec: str, world: WorldConfig, tokenizer: str = "", context: int = 128) -> str:
+    """The prompt set of the flow's route spec, rendered with ``tokenizer`` (the folder of the model that reads it;
+    empty: the spec's own). Validated every time (cheap); built once per spec text, data and tokenizer."""
+    return _build_prompt_set(spec_file(spec, world), tokenizer, context)
+
+
+def caps_of(ps: PromptSet) -> dict[str, int]:
+    return {r: ps.cap(r) for r in ps.routes}
+
+
+def pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:
+    """Pre-train a fresh base on all routes' reference completions (a cached task); returns its URI and per-route
     accuracy."""
-    return cached(_pretrain_base, lambda res: res["uri"], cfg, world_path)
+    return cached(_pretrain_base, lambda res: res["uri"], cfg, prompt_set)
+
+
+def _record_base(uri: str) -> None:
+    (models_dir() / "LATEST_BASE").parent.mkdir(parents=True, exist_ok=True)
+    (models_dir() / "LATEST_BASE").write_text(str(uri))
 
 
 @task(name="pretrain-base", cache_policy=state_cache_policy(), persist_result=True)
-def _pretrain_base(cfg: PretrainConfig, world_path: str) -> dict:
-    tok = load_tokenizer(Path(world_path) / "tokenizer")
-    train = load_prompts(world_path)["train"]
+def _pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:
+    ps = load_prompt_set(prompt_set)
+    tok = ps.tokenizer()
+    train = ps.splits["train"]
     model = create_model(tok, seed=cfg.train.seed, **cfg.model.model_dump())
     run_id = start_run("opd-base", f"base-{cfg.config_hash()}", config_params(cfg))
     train_sft(model, tok, train["prompt"], train["completion"], cfg.train, desc="base pre-training",
               on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
-    cap = max_new_tokens_for(tok, train["completion"])
-    scores = evaluate_routes(model, tok, eval_sets(world_path), cap)
+    scores = evaluate_routes(model, tok, ps.eval_sets(), caps_of(ps), ps.verifiers)
     log_metrics(run_id, {f"accuracy/{r}": s.accuracy for r, s in scores.items()}, cfg.train.steps)
     out = save_model(model, tok, models_dir() / f"base-{cfg.config_hash()}")
     end_run(run_id, {"model_uri": str(out)})
-    (models_dir() / "LATEST_BASE").write_text(str(out))
+    _record_base(out)
     return {"uri": str(out), "accuracy": {r: s.accuracy for r, s in scores.items()}}
+
+
+@task(name="evaluate-base", cache_policy=NO_CACHE)
+def given_base(base_model: str, prompt_set: str) -> dict:
+    """A pretrained base the user gave: evaluated on every route's held-out prompts and recorded as the base."""
+    ps = load_prompt_set(prompt_set)
+    model = load_model(base_model).eval()
+    scores = evaluate_routes(model, ps.tokenizer(), ps.eval_sets(), caps_of(ps), ps.verifiers)
+    _record_base(base_model)
+    return {"uri": base_model, "accuracy": {r: s.accuracy for r, s in scores.items()}}
 
 
 def latest_base() -> str:

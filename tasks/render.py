@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.preflight import Problem
+from tasks.problems import Problem
 from tasks.spec import RouteSpec
 
 

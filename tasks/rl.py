@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from tasks.distill import verifier_rewards
 from tasks.losses import policy_gradient_loss
 from tasks.rollout import Rollout, forward_hidden, generate, token_logprobs
 from tasks.train import make_optimizer
+from tasks.verifiers import Verifier
 
 
 def group_advantages(rewards_B: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -82,7 +84,7 @@ def grpo_step(
     tok: PreTrainedTokenizerBase,
     prompts: list[str],
     routes: list[str],
-    problems: list[str],
+    answers: list[str],
     group_size: int,
     max_new_tokens: int,
     optimizer: torch.optim.Optimizer,
@@ -92,6 +94,8 @@ def grpo_step(
     grad_clip: float = 1.0,
     normalize_std: bool = True,
     generator: torch.Generator | None = None,
+    *,
+    verifiers: Mapping[str, Verifier],
 ) -> RLStats:
     """One GRPO step: ``group_size`` samples of each prompt (drawn from ``generator`` when given, else from torch's
     global one), verifier rewards, group advantages, one clipped update (on-policy, so the ratio starts at 1 and the
@@ -99,7 +103,7 @@ def grpo_step(
     t0 = time.perf_counter()
     rep = lambda xs: [x for x in xs for _ in range(group_size)]  # noqa: E731
     rollout = generate(model, tok, rep(prompts), max_new_tokens, temperature=temperature, generator=generator)
-    rewards_B = verifier_rewards(tok, rollout, rep(routes), rep(problems))
+    rewards_B = verifier_rewards(tok, rollout, rep(routes), rep(answers), verifiers)
     adv_B = group_advantages(rewards_B, group_size, normalize_std)
     (logq_old_B_T,) = token_logprobs(model, rollout, (temperature,))
     model.train()
@@ -134,8 +138,10 @@ def train_grpo(
     clip_eps: float = 0.2,
     normalize_std: bool = True,
     on_step=None,
+    *,
+    verifiers: Mapping[str, Verifier],
 ) -> list[RLStats]:
-    """``steps`` GRPO steps on prompts drawn uniformly over the routes of ``train`` (route -> (prompts, problems));
+    """``steps`` GRPO steps on prompts drawn uniformly over the routes of ``train`` (route -> (prompts, answers));
     ``on_step(stats)`` after each (logging, evaluation). Prompts and samples come from generators of its own seeded
     with ``seed``, never torch's global one: specialists trained side by side in threads are reproducible."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -147,7 +153,8 @@ def train_grpo(
         picks = [rng.randrange(len(train[r][0])) for r in routes]
         st = grpo_step(model, tok, [train[r][0][i] for r, i in zip(routes, picks)], routes,
                        [train[r][1][i] for r, i in zip(routes, picks)], group_size, max_new_tokens, optimizer,
-                       scheduler, temperature, clip_eps, normalize_std=normalize_std, generator=gen)
+                       scheduler, temperature, clip_eps, normalize_std=normalize_std, generator=gen,
+                       verifiers=verifiers)
         st.step = step
         history.append(st)
         if on_step is not None:
@@ -156,8 +163,9 @@ def train_grpo(
 
 
 def run_grpo(model: PreTrainedModel, tok: PreTrainedTokenizerBase, train: dict[str, tuple[list[str], list[str]]],
-             rl, max_new_tokens: int, on_step=None) -> list[RLStats]:
+             rl, max_new_tokens: int, on_step=None, *, verifiers: Mapping[str, Verifier]) -> list[RLStats]:
     """:func:`train_grpo` with the settings of a :class:`tasks.config.RLConfig` (``rl.max_new_tokens`` wins over
     ``max_new_tokens`` when set): RL specialists and the benchmark's Mix-RL baseline both run it."""
     return train_grpo(model, tok, train, rl.steps, rl.prompts_per_step, rl.group_size, rl.max_new_tokens or max_new_tokens,
-                      rl.lr, rl.warmup_steps, rl.seed, rl.temperature, rl.clip_eps, rl.normalize_std, on_step=on_step)
+                      rl.lr, rl.warmup_steps, rl.seed, rl.temperature, rl.clip_eps, rl.normalize_std, on_step=on_step,
+                      verifiers=verifiers)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.preflight import InputError, Problem
+from tasks.problems import InputError, Problem, validation_problems
 from tasks import verifiers
 
 DataFormat = Literal["auto", "jsonl", "json", "parquet", "csv", "disk", "hub"]
@@ -40,6 +40,20 @@ TRAIN_VALUES = frozenset({"train", "training"})
 TEMPLATE_FIELDS = ("prompt", "system", "context")
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ROW_COLUMNS = ("prompt", "answer", "system", "context", "completion")  # what load_route_rows returns, in order
+
+
+ROUTE_NAME_PATTERN = r"^[A-Za-z0-9][\w .-]*$"  # letters, digits, space, _ . -; MLflow keys are metric/<name>
+ROUTE_NAME_MAX = 100
+
+
+def check_route_name(name: object) -> str:
+    """A route name as a spec, the registry and the router take it; ValueError naming the rule otherwise."""
+    import re
+
+    if not isinstance(name, str) or len(name) > ROUTE_NAME_MAX or not re.match(ROUTE_NAME_PATTERN, name):
+        raise ValueError(f"route {name!r} is not a route name (1-{ROUTE_NAME_MAX} letters, digits, spaces, _ . -, "
+                         "starting with a letter or digit)")
+    return name
 
 
 class _Spec(BaseModel):
@@ -116,6 +130,8 @@ class VerifySpec(_Spec):
     pattern: str = Field("", description="regex: the pattern whose group is the answer (last match).")
     group: int | str = Field(1, description="regex: group number or name.")
     function: str = Field("", description="function: 'module:function', called as fn(completion, reference, row).")
+    format: str = Field("", description="Optional regex a well-formed response matches whole, right or wrong (the "
+                        "cold-start gate's format rate); empty = every response that ends is well-formed.")
 
     @model_validator(mode="after")
     def _needs(self) -> "VerifySpec":
@@ -123,10 +139,24 @@ class VerifySpec(_Spec):
             raise ValueError("kind 'regex' needs a pattern")
         if self.kind == "function" and not self.function:
             raise ValueError("kind 'function' needs function: 'module:function'")
+        if self.format:
+            import re
+
+            try:
+                re.compile(self.format)
+            except re.error as e:
+                raise ValueError(f"format {self.format!r} does not compile: {e}") from None
         return self
 
-    def build(self) -> verifiers.Verifier:
-        """The verifier itself; :class:`tasks.verifiers.VerifierError` when it cannot be built."""
+    def well_formed(self, completion: str) -> bool:
+        """The response has the route's shape (``format`` matched whole; always true without one)."""
+        import re
+
+        return not self.format or re.fullmatch(self.format, completion, re.DOTALL) is not None
+
+    def build(self, folder: str | Path | None = None) -> verifiers.Verifier:
+        """The verifier itself (``folder``: the spec's, where a ``function`` verifier's module may lie);
+        :class:`tasks.verifiers.VerifierError` when it cannot be built."""
         if self.kind == "exact":
             return verifiers.exact(self.case_sensitive, self.answer_after)
         if self.kind == "numeric":
@@ -135,13 +165,13 @@ class VerifySpec(_Spec):
             return verifiers.regex(self.pattern, self.group, self.case_sensitive)
         if self.kind == "math":
             return verifiers.math_verify(self.answer_after)
-        return verifiers.function(self.function)
+        return verifiers.function(self.function, folder)
 
 
 class RouteSpec(_Spec):
     """One route of a merge."""
 
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][\w .-]*$", max_length=100,
+    name: str = Field(..., pattern=ROUTE_NAME_PATTERN, max_length=ROUTE_NAME_MAX,
                       description="Unique name (letters, digits, space, _ . -): MLflow keys are metric/<name>.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels such as domain and budget, for "
                                    "grouping (retention per domain), routing rules and MLflow.")
@@ -158,6 +188,9 @@ class RouteSpecFile(_Spec):
 
     version: Literal[1] = Field(1, description="Spec format version.")
     routes: list[RouteSpec] = Field(..., min_length=1, description="The routes of the merge.")
+    tokenizer: str = Field("", description="Tokenizer folder (relative to this file) or hub id the prompts are "
+                           "rendered with when the pipeline pre-trains its own base; empty = a character tokenizer "
+                           "built from the data, with a chat template. A given base model's tokenizer wins.")
     path: str = Field("", description="The file this spec was read from (set by load_spec).")
 
     @model_validator(mode="after")
@@ -206,8 +239,6 @@ def parse_spec(raw: Any, path: str = "<spec>") -> RouteSpecFile:
     if not isinstance(raw, dict):
         raise InputError([Problem(path, "(spec)", f"a {type(raw).__name__}; expected a mapping with 'routes'")],
                          f"route spec {path}")
-    from tasks.cli import validation_problems
-
     try:
         return RouteSpecFile.model_validate({**raw, "path": path})
     except ValidationError as e:
@@ -292,7 +323,7 @@ def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
     def text(row: dict, col: str | None) -> str:
         return "" if not col or row[col] is None else str(row[col])
 
-    rows, problems, seen = [], [], set()
+    rows, problems, seen, conflicts = [], [], {}, set()
     for i, row in enumerate(ds):
         prompt = text(row, data.prompt_column)
         if not prompt.strip():
@@ -304,9 +335,11 @@ def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
                                     f"{sorted(TRAIN_VALUES)} or {sorted(HELD_OUT_VALUES)}"))
             continue
         key = (prompt, text(row, data.system_column))
-        if key in seen:  # a repeated row: the first one's split stands
+        if key in seen:  # a repeated row: dropped, unless it says the other split (a leak, refused below)
+            if data.split_column and (seen[key] in HELD_OUT_VALUES) != (split in HELD_OUT_VALUES):
+                conflicts.add(prompt)
             continue
-        seen.add(key)
+        seen[key] = split
         rows.append({"prompt": prompt, "answer": text(row, data.answer_column), "system": key[1],
                      "context": text(row, data.context_column), "completion": text(row, data.completion_column),
                      "__split__": split})
@@ -315,7 +348,7 @@ def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
     if data.split_column:
         train = [r for r in rows if r["__split__"] in TRAIN_VALUES]
         held = [r for r in rows if r["__split__"] in HELD_OUT_VALUES]
-        overlap = sorted({r["prompt"] for r in train} & {r["prompt"] for r in held})
+        overlap = sorted(({r["prompt"] for r in train} & {r["prompt"] for r in held}) | conflicts)
         if overlap:
             raise InputError([Problem(file, f"{base}.split_column", f"{len(overlap)} prompt(s) are in both the "
                                       f"train and the held-out rows (e.g. {overlap[:3]}); expected disjoint splits")],

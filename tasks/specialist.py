@@ -16,11 +16,11 @@ from prefect import task
 
 from tasks.log import say
 from tasks.config import RLConfig, TrainConfig
-from tasks.data import load_prompts, max_new_tokens_for
 from tasks.evaluate import RouteScore, evaluate_route
 from tasks.faults import fault
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir, state_cache_policy
+from tasks.prompt_set import load_prompt_set
 from tasks.tokenizer import load_tokenizer
 from tasks.tracking import config_params, end_run, log_metrics, start_run, tracking_uri
 
@@ -35,23 +35,25 @@ def trainer_of(recipe: Recipe) -> str:
     return "rl" if isinstance(recipe, RLConfig) else "sft"
 
 
-def specialist_dir(world_path: str, route: str, base_fingerprint: str, recipe: Recipe) -> Path:
+def specialist_dir(prompt_set: str, route: str, base_fingerprint: str, recipe: Recipe) -> Path:
     # An sft specialist keeps the key it always had (finished folders stay valid); an rl one adds the trainer, so
     # the two never share a folder whatever their configs hash to.
     rl = trainer_of(recipe) == "rl"
-    key_src = f"{world_path}|{route}|{base_fingerprint}|{'rl|' if rl else ''}{recipe.config_hash()}"
+    key_src = f"{prompt_set}|{route}|{base_fingerprint}|{'rl|' if rl else ''}{recipe.config_hash()}"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:12]
-    return models_dir() / "specialists" / (f"{route}-rl-{key}" if rl else f"{route}-{key}")
+    folder = route.replace(" ", "_")
+    return models_dir() / "specialists" / (f"{folder}-rl-{key}" if rl else f"{folder}-{key}")
 
 
-def log_eval(run_id: str, model, tok, route: str, ev, cap: int, step: int) -> RouteScore:
-    """Greedy accuracy on the route's held-out prompts, logged as ``accuracy/<route>`` at ``step``."""
-    score = evaluate_route(model, tok, route, ev["prompt"], ev["problem"], cap)
+def log_eval(run_id: str, model, tok, route: str, verify, ev, cap: int, step: int) -> RouteScore:
+    """Greedy accuracy on the route's held-out prompts (``verify``: its verifier), logged as ``accuracy/<route>`` at
+    ``step``."""
+    score = evaluate_route(model, tok, verify, list(ev["prompt"]), list(ev["answer"]), cap)
     log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length}, step)
     return score
 
 
-def train_rl(model, tok, route: str, tr, ev, cap: int, rl: RLConfig, run_id: str) -> None:
+def train_rl(model, tok, route: str, verify, tr, ev, cap: int, rl: RLConfig, run_id: str) -> None:
     """GRPO from the base on the route's training prompts with its verifier as the reward. Logs the mean reward,
     loss and response tokens of every step, and the held-out accuracy at step 0 and every ``rl.eval_every`` steps
     (the caller evaluates the last step)."""
@@ -61,11 +63,12 @@ def train_rl(model, tok, route: str, tr, ev, cap: int, rl: RLConfig, run_id: str
         log_metrics(run_id, {f"rl/reward/{route}": st.reward[route], "train/loss": st.loss,
                              "rollout/tokens": st.rollout_tokens}, st.step)
         if st.step % rl.eval_every == 0 and st.step < rl.steps:
-            acc = log_eval(run_id, model, tok, route, ev, cap, st.step).accuracy
+            acc = log_eval(run_id, model, tok, route, verify, ev, cap, st.step).accuracy
             say(f"specialist {route} (rl) step {st.step}/{rl.steps}: reward {st.reward[route]:.3f}, accuracy {acc:.3f}")
 
-    log_eval(run_id, model, tok, route, ev, cap, 0)
-    run_grpo(model, tok, {route: (list(tr["prompt"]), list(tr["problem"]))}, rl, cap, on_step)
+    log_eval(run_id, model, tok, route, verify, ev, cap, 0)
+    run_grpo(model, tok, {route: (list(tr["prompt"]), list(tr["answer"]))}, rl, cap, on_step,
+             verifiers={route: verify})
 
 
 # Cached on every input (the base is identified by its weights' fingerprint, not its path; the recipe by its type and
@@ -78,20 +81,20 @@ def train_rl(model, tok, route: str, tr, ev, cap: int, rl: RLConfig, run_id: str
     persist_result=True,
     retries=0,
 )
-def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprint: str, train: Recipe) -> dict:
+def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprint: str, train: Recipe) -> dict:
     """Train a copy of the base on one route (``train``: the sft or rl recipe); returns the checkpoint URI and
     held-out accuracy."""
     from tasks.train import train_sft
 
     trainer = trainer_of(train)
     tok = load_tokenizer(base_uri)
-    prompts = load_prompts(world_path)
-    tr = prompts["train"].filter(lambda x: x["route"] == route)
-    ev = prompts["eval"].filter(lambda x: x["route"] == route)
+    ps = load_prompt_set(prompt_set)
+    tr, ev = ps.rows("train")[route], ps.rows("eval")[route]
     if len(tr) == 0:
-        raise ValueError(f"route {route}: no training prompts in {world_path}")
+        raise ValueError(f"route {route}: no training prompts in {prompt_set}")
+    verify = ps.verifier(route)
     model = load_model(base_uri)
-    cap = max_new_tokens_for(tok, tr["completion"])
+    cap = ps.cap(route)
     run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}" if trainer == "sft" else f"specialist-rl-{route}",
                        {**config_params(train), "trainer": trainer, "route": route, "base_uri": base_uri,
                         "base_fingerprint": base_fingerprint})
@@ -100,10 +103,10 @@ def train_specialist(world_path: str, route: str, base_uri: str, base_fingerprin
             train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
                       on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
         else:
-            train_rl(model, tok, route, tr, ev, cap, train, run_id)
+            train_rl(model, tok, route, verify, tr, ev, cap, train, run_id)
         fault(f"specialist/{route}")  # test-only (tasks/faults.py): a failure after the work, before the save
-        score = log_eval(run_id, model, tok, route, ev, cap, train.steps)
-        out = save_model(model, tok, specialist_dir(world_path, route, base_fingerprint, train))
+        score = log_eval(run_id, model, tok, route, verify, ev, cap, train.steps)
+        out = save_model(model, tok, specialist_dir(prompt_set, route, base_fingerprint, train))
         MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
     except BaseException:
         end_run(run_id, status="FAILED")  # a failed attempt must not look in progress; a retry starts a new run

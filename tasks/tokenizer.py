@@ -23,10 +23,25 @@ def route_tag_tokens() -> list[str]:
     return [f"<{d}>" for d in DOMAINS] + [f"<{b}>" for b in BUDGETS]
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Build the world's tokenizer: specials first (ids 0..3), then route tags, then characters."""
-    tags = route_tag_tokens()
-    vocab_list = list(SPECIALS.values()) + tags + list(CHARSET)
+# A ChatML-style template for character tokenizers built from a spec's data (one token per character, so the role
+# names are spelled out; the two markers are single special tokens).
+CHAT_START, CHAT_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}" + CHAT_START + "{{ m['role'] }}\n{{ m['content'] }}" + CHAT_END + "\n{% endfor %}"
+    "{% if add_generation_prompt %}" + CHAT_START + "assistant\n{% endif %}"
+)
+
+
+def char_tokenizer(chars: str, tags: list[str] = (), chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per character of ``chars`` (sorted, deduplicated, in first-seen order), specials first (ids 0..3),
+    then ``tags`` (special tokens, each one id). With ``chat_template`` the chat markers are special tokens too and
+    ``<|im_end|>`` is the EOS, as in ChatML models."""
+    specials = dict(SPECIALS)
+    tags = list(tags)
+    if chat_template:
+        specials["eos_token"] = CHAT_END
+        tags = [CHAT_START, *tags]
+    vocab_list = list(dict.fromkeys([*specials.values(), *tags, *chars]))
     vocab = {tok: i for i, tok in enumerate(vocab_list)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS["unk_token"]))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -36,9 +51,16 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         additional_special_tokens=tags,
         clean_up_tokenization_spaces=False,
         padding_side="left",
-        **SPECIALS,
+        **specials,
     )
+    if chat_template:
+        tok.chat_template = chat_template
     return tok
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """The built-in world's tokenizer: specials first (ids 0..3), then route tags, then characters."""
+    return char_tokenizer(CHARSET, route_tag_tokens())
 
 
 def save_tokenizer(tok: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:

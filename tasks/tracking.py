@@ -124,6 +124,19 @@ def retention_figure(rows: list[dict[str, Any]], title: str):
     return fig
 
 
+def log_spec(run_id: str, prompt_set: str | os.PathLike) -> None:
+    """The route spec a run read, as its author wrote it (artifact ``spec/<file>``), and its hash as the param
+    ``spec_sha256``: two runs are compared on what their routes were."""
+    from pathlib import Path
+
+    from tasks.prompt_set import load_prompt_set
+
+    ps = load_prompt_set(prompt_set)
+    client = MlflowClient(tracking_uri())
+    client.log_param(run_id, "spec_sha256", ps.spec_sha256)
+    client.log_artifact(run_id, str(Path(prompt_set) / "spec.yaml"), "spec")
+
+
 def log_table(run_id: str, records: list[dict[str, Any]], artifact_file: str) -> None:
     """Rows of dicts as an MLflow table artifact (shown by the UI's artifact view and comparable across runs)."""
     MlflowClient(tracking_uri()).log_table(

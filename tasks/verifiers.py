@@ -16,9 +16,11 @@ scratchpad or chain of thought before the answer does not count against it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 Verifier = Callable[[str, str, Mapping[str, Any]], float]
@@ -94,15 +96,25 @@ def math_verify(answer_after: str = "") -> Verifier:
     return verify
 
 
-def function(target: str) -> Verifier:
-    """The user's ``module:function``, imported; its result is checked to be a bool or a number in [0, 1]."""
+def function(target: str, folder: str | Path | None = None) -> Verifier:
+    """The user's ``module:function``; its result is checked to be a bool or a number in [0, 1]. A module whose file
+    lies in ``folder`` (the spec's own folder: ``checks.py``, ``pkg/checks.py``) is loaded from that file, fresh at
+    every build, so that an edited verifier is the one used and two specs' ``checks`` modules never shadow each
+    other; any other module is imported as usual."""
     if not _FUNCTION_RE.match(target):
         raise VerifierError(f"function {target!r}: expected 'module:function' (e.g. my_project.checks:is_right)")
     module_name, _, attr = target.partition(":")
+    local = Path(folder).joinpath(*module_name.split(".")).with_suffix(".py") if folder else None
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise VerifierError(f"function {target!r}: module {module_name!r} does not import ({e})") from None
+        if local is not None and local.is_file():
+            spec = importlib.util.spec_from_file_location(f"_opd_verifier_{abs(hash(str(local)))}", local)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError, or the user's module failing as it runs
+        raise VerifierError(f"function {target!r}: module {module_name!r} does not import "
+                            f"({type(e).__name__}: {e})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise VerifierError(f"function {target!r}: {module_name} has no callable {attr!r}")

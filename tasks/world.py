@@ -335,17 +335,28 @@ def verify(route: Route, problem: str, completion: str) -> bool:
     return extract_answer(completion) == domain_of(route).answer(problem)
 
 
-def format_ok(route: Route, completion: str) -> bool:
-    """True when a completion has the route's shape, right or wrong: at the ``high`` and ``long`` budgets a
-    non-empty scratchpad (at ``long``, steps of the domain's step format), one separator and an answer; at ``low``
-    the answer alone; the answer in the domain's alphabet."""
+def _bare(pattern: re.Pattern) -> str:
+    return pattern.pattern.removeprefix("^").removesuffix("$")
+
+
+def format_pattern(route: Route) -> str:
+    """The regex a completion of the route's shape matches whole, right or wrong: at the ``high`` and ``long``
+    budgets a non-empty scratchpad (at ``long``, steps of the domain's step format joined by ``,``), one separator
+    and an answer; at ``low`` the answer alone; the answer in the domain's alphabet. (The route spec's
+    ``verify.format``.)"""
     dom = domain_of(route)
-    if route.budget != "low":
-        scratch, sep, answer = completion.partition(ANSWER_SEP)
-        if route.budget == "long" and not all(dom.step_re.match(s) for s in scratch.split(STEP_SEP)):
-            return False
-        return bool(scratch) and bool(sep) and ANSWER_SEP not in answer and bool(dom.answer_re.match(answer))
-    return bool(dom.answer_re.match(completion))
+    answer, sep = _bare(dom.answer_re), re.escape(ANSWER_SEP)
+    if route.budget == "low":
+        return answer
+    if route.budget == "long":
+        step = _bare(dom.step_re)
+        return f"(?:{step})(?:{re.escape(STEP_SEP)}(?:{step}))*{sep}{answer}"
+    return f"[^{sep}]+{sep}{answer}"
+
+
+def format_ok(route: Route, completion: str) -> bool:
+    """True when a completion has the route's shape (:func:`format_pattern`)."""
+    return re.fullmatch(format_pattern(route), completion, re.DOTALL) is not None
 
 
 def sample_problems(route: Route, n: int, seed: int, min_len: int, max_len: int, exclude: set[str] | None = None) -> list[str]:

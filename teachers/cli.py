@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     reg = sub.add_parser("register", help="check a checkpoint against the student tokenizer and add it",
                          parents=[debug])
     reg.add_argument("--name", required=True, help="unique slug, e.g. shift-high-v2")
-    reg.add_argument("--route", required=True, help="route served, <domain>-<budget>")
+    reg.add_argument("--route", required=True, help="route served: a route name of the spec (e.g. rev-high)")
     reg.add_argument("--model_uri", required=True, help="checkpoint folder or hub id (HF config + tokenizer)")
     reg.add_argument("--student_tokenizer", default=None, help="path or hub id (default: <state dir>/world/tokenizer)")
     reg.add_argument("--eval_score", type=float, default=None, help="accuracy on its route, in [0, 1]")

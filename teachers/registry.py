@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tasks.paths import registry_path
-from tasks.world import Route
+from tasks.spec import check_route_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -120,11 +120,7 @@ class TeacherRecord(BaseModel):
     @field_validator("route")
     @classmethod
     def _route(cls, v: str) -> str:
-        return Route.parse(v).name
-
-    @property
-    def route_obj(self) -> Route:
-        return Route.parse(self.route)
+        return check_route_name(v)
 
 
 def check_endpoint(url: str) -> str:
@@ -140,9 +136,9 @@ def check_endpoint(url: str) -> str:
     return url.rstrip("/")
 
 
-def route_name(route: Route | str) -> str:
-    """``"shift-high"`` from a Route or a string (checked: ValueError on a malformed one)."""
-    return route.name if isinstance(route, Route) else Route.parse(route).name
+def route_name(route) -> str:
+    """A route's name from a string (checked: ValueError on a malformed one) or anything with a ``name``."""
+    return check_route_name(route if isinstance(route, str) else route.name)
 
 
 def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
@@ -206,7 +202,7 @@ class TeacherRegistry:
                 return r
         raise self._not_found(name, records)
 
-    def for_route(self, route: Route | str) -> list[TeacherRecord]:
+    def for_route(self, route: str) -> list[TeacherRecord]:
         key = route_name(route)
         return [r for r in self.list() if r.route == key]
 
@@ -235,7 +231,7 @@ class TeacherRegistry:
     def register_checkpoint(
         self,
         name: str,
-        route: Route | str,
+        route: str,
         model_uri: str | Path,
         reference_tokenizer: PreTrainedTokenizerBase | str | Path,
         *,
@@ -263,10 +259,10 @@ class TeacherRegistry:
         if local.exists():
             # Absolute, so the record still resolves from another working directory.
             uri = str(local.resolve())
-        route_text = route.name if isinstance(route, Route) else str(route)
+        route_text = route if isinstance(route, str) else route.name
 
         problems: list[str] = []
-        for check, value in ((check_name, name), (Route.parse, route_text)):
+        for check, value in ((check_name, name), (check_route_name, route_text)):
             try:
                 check(value)
             except ValueError as e:

@@ -12,9 +12,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tasks.world import Route
+
 from teachers.registry import TeacherRecord, TeacherRegistry, route_name
 from tasks.table import format_table
+
+
+def teacher_names(named: list[str], spec=None) -> list[str] | None:
+    """The teachers a merge is told to use: ``named`` (the config's ``teachers``) when given, else the registry names
+    the route spec's routes give (``teacher: NAME``; pass ``fill_newest=True`` so that its ``newest`` routes get
+    their newest teacher), else None (the newest teacher of every route)."""
+    if named:
+        return list(named)
+    if spec is None or all(r.teacher == "newest" for r in spec.routes):
+        return None
+    return [r.teacher for r in spec.routes if r.teacher != "newest"]
 
 
 class RoutingError(ValueError):
@@ -32,7 +43,7 @@ class UnmappedRouteError(RoutingError):
 class Router:
     """A fixed map from route name to teacher record. ``warnings`` holds what was odd but allowed."""
 
-    def __init__(self, mapping: Mapping[Route | str, TeacherRecord], warnings: list[str] | None = None):
+    def __init__(self, mapping: Mapping[str, TeacherRecord], warnings: list[str] | None = None):
         self._mapping: dict[str, TeacherRecord] = {route_name(k): v for k, v in mapping.items()}
         self.warnings: list[str] = list(warnings or [])
 
@@ -43,13 +54,15 @@ class Router:
     def from_registry(
         cls,
         registry: TeacherRegistry,
-        routes: Iterable[Route | str],
+        routes: Iterable[str],
         teacher_names: list[str] | None = None,
+        fill_newest: bool = False,
     ) -> Router:
         """Map every route in ``routes`` to a teacher.
 
         With ``teacher_names`` exactly those teachers are used (two on one route is an error; one whose route no
-        prompt uses is a warning). Without, each route gets its most recently created teacher (ties: by name).
+        prompt uses is a warning), and with ``fill_newest`` the routes they leave get their newest teacher. Without,
+        each route gets its most recently created teacher (ties: by name).
         """
         wanted = list(dict.fromkeys(route_name(r) for r in routes))
         records = registry.list()
@@ -67,8 +80,8 @@ class Router:
                 mapping[rec.route] = rec
                 if rec.route not in wanted:
                     warnings.append(f"teacher {rec.name!r} serves route {rec.route!r}, which no prompt uses")
-        else:
-            for route in wanted:
+        if teacher_names is None or fill_newest:
+            for route in (r for r in wanted if r not in mapping):
                 candidates = [r for r in records if r.route == route]
                 if candidates:
                     mapping[route] = max(candidates, key=lambda r: (r.provenance.created_at, r.name))
@@ -83,7 +96,7 @@ class Router:
     def mapping(self) -> dict[str, TeacherRecord]:
         return dict(self._mapping)
 
-    def teacher_for(self, route: Route | str) -> TeacherRecord:
+    def teacher_for(self, route: str) -> TeacherRecord:
         key = route_name(route)
         try:
             return self._mapping[key]
@@ -93,7 +106,7 @@ class Router:
     def teachers(self) -> list[TeacherRecord]:
         return sorted({r.name: r for r in self._mapping.values()}.values(), key=lambda r: r.name)
 
-    def group(self, routes_per_row: Iterable[Route | str]) -> dict[str, list[int]]:
+    def group(self, routes_per_row: Iterable[str]) -> dict[str, list[int]]:
         """Row indices per teacher name, in row order, so each teacher scores its rows in one batch."""
         groups: dict[str, list[int]] = {}
         missing: list[str] = []

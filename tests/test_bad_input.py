@@ -56,7 +56,7 @@ def no_model_work(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(AutoModelForCausalLM, "from_pretrained", trap("AutoModelForCausalLM.from_pretrained"))
         m.setattr(AutoModelForCausalLM, "from_config", trap("AutoModelForCausalLM.from_config"))
-        m.setattr(flows.merge, "build_world_task", trap("merge: build world"))
+        m.setattr(flows.merge, "prompt_set_task", trap("merge: build prompt set"))
         m.setattr(flows.pipeline, "prepare_base", trap("pipeline: prepare base"))
         yield
 
@@ -276,10 +276,19 @@ def _parquet_without_problem(p: Project):
     p.cfg = p.cfg.model_copy(update={"world": WorldConfig(**{**WORLD, "prompt_files": {"rev-low": str(f)}})})
 
 
+def world_prompt_set(world: WorldConfig, tokenizer: str) -> Path:
+    """The prompt set the flows build for the built-in ``world`` rendered with ``tokenizer`` (what a specialist's
+    registry provenance.data names)."""
+    from tasks.prompt_set import build_prompt_set
+    from tasks.world_spec import write_world_spec
+
+    return build_prompt_set(write_world_spec(world, build_world(world)), tokenizer)
+
+
 def _teacher_saw_the_eval_problems(p: Project):
-    # The sort-low specialist trained on the world of seed 0; the merge evaluates on seed 1's eval problems, many of
-    # which are in seed 0's training split (a space of 1,000 problems).
-    other = build_world(WorldConfig(**WORLD))
+    # The sort-low specialist trained on the prompt set of the world of seed 0; the merge evaluates on seed 1's eval
+    # problems, many of which are in seed 0's training split (a space of 1,000 problems).
+    other = world_prompt_set(WorldConfig(**WORLD), str(p.student))
     p.teacher("sort-low", data=other.name)
     return p.cfg.model_copy(update={"world": WorldConfig(**{**WORLD, "seed": 1})})
 
@@ -329,7 +338,7 @@ MERGE_CASES = {
                                      "expected a URI without them"),
     "student-asks-for-remote-code": (_student_asks_for_remote_code, "config.json", "auto_map",
                                      "the student never runs custom code"),
-    "route-without-teacher": (_route_without_teacher, "registry.json", "world.routes",
+    "route-without-teacher": (_route_without_teacher, "registry.json", "routes",
                               "expected a registered teacher for every route"),
     "named-teacher-unknown": (_named("spec-rev-low", "nope"), "registry.json", "teachers",
                               "expected names of registered teachers"),
@@ -355,7 +364,7 @@ MERGE_CASES = {
     "prompt-parquet-no-problem-column": (_parquet_without_problem, "rev-low.parquet", "world.prompt_files[rev-low]",
                                          "expected a 'problem' column"),
     "eval-overlaps-teacher-train": (_teacher_saw_the_eval_problems, "prompts", "provenance.data",
-                                    "expected eval problems it never saw"),
+                                    "expected held-out prompts it never saw"),
     "world-too-small-for-splits": (_world_too_small, "config", "world (route sort-low)",
                                    "expected a world whose prompt sets can be drawn"),
 }
@@ -393,14 +402,15 @@ def test_every_problem_is_listed_not_only_the_first(project, monkeypatch):
 
 
 def test_good_input_passes_and_the_flow_goes_on_to_its_first_step(project, monkeypatch):
-    world = build_world(project.cfg.world)  # as the pipeline leaves it: specialists trained on the merge's own world
+    # As the pipeline leaves it: specialists trained on the merge's own prompt set.
+    prompt_set = world_prompt_set(project.cfg.world, project.cfg.student_uri)
     for r in ROUTES:
-        project.teacher(r, data=world.name)
+        project.teacher(r, data=prompt_set.name)
     report = preflight_merge(project.cfg, say_warnings=False)
     assert report.teachers == {"rev-low": "spec-rev-low", "sort-low": "spec-sort-low"} and report.warnings == []
     from flows.merge import merge
 
-    with no_model_work(monkeypatch), pytest.raises(ModelWork, match="merge: build world"):
+    with no_model_work(monkeypatch), pytest.raises(ModelWork, match="merge: build prompt set"):
         merge.fn(project.cfg)
 
 

@@ -48,7 +48,7 @@ def assert_positive(rows: list[dict[str, str]], text_columns: set[str]) -> None:
 
 
 def test_bench_step_quick_prints_a_breakdown():
-    out = run_quick("flows.bench_step")
+    out = run_quick("flows.bench.step")
     rows = printed_table(out)
     assert [r["shape"] for r in rows] == ["64x2x2"]
     assert_positive(rows, {"shape"})
@@ -58,7 +58,7 @@ def test_bench_step_quick_prints_a_breakdown():
 @pytest.mark.skipif(not HAVE_TRL, reason="trl is not installed in this environment (the comparison needs it): "
                     "`make bench-env` or pip install -e '.[bench]'")
 def test_bench_trl_quick_prints_both_trainers():
-    out = run_quick("flows.bench_trl")
+    out = run_quick("flows.bench.trl")
     rows = printed_table(out)
     assert [(r["shape"], r["trainer"]) for r in rows] == [("64x2x2", "ours"), ("64x2x2", "ours+overlap"),
                                                           ("64x2x2", "trl")]
@@ -73,7 +73,7 @@ def test_bench_memory_compares_equal_losses_and_refuses_per_token_losses():
     """At V 16k, T 1k (one [T, V] fp32 tensor is 64 MB): both paths give the same loss and gradients, and the chunked
     path's peak is under half the naive one's (measured: 107 vs 706 MB); per-token losses (no full distributions to
     compare) are refused up front."""
-    from flows.bench_memory import BenchMemoryConfig, bench_memory
+    from flows.bench.memory import BenchMemoryConfig, bench_memory
 
     for loss in ("sampled_token", "sft"):
         with pytest.raises(ValueError, match="one log-prob per token"):

@@ -55,7 +55,7 @@ def test_cost_to_target_and_ratios_by_hand():
 
 
 def test_benchmark_config_adds_the_long_routes_and_matches_grpo_to_the_merges():
-    from flows.benchmark import benchmark_config
+    from flows.bench.benchmark import benchmark_config
 
     cfg = benchmark_config("quick")
     assert cfg.world.routes == ["rev-low", "rev-high", "sort-low", "rev-long", "sort-long"]
@@ -75,7 +75,7 @@ def test_benchmark_flow_end_to_end_on_the_quick_profile(prefect_server):
     weight merge and ExOPD from RL specialists at two reward scales; the table, the curves and their costs."""
     from mlflow.tracking import MlflowClient
 
-    from flows.benchmark import benchmark, benchmark_config
+    from flows.bench.benchmark import benchmark, benchmark_config
 
     cfg = benchmark_config(
         "quick", methods=["opd_reverse_kl", "sft_teacher_samples", "grpo_mix_rl", "merge_ties", "exopd_rl"],

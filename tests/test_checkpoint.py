@@ -90,7 +90,7 @@ def test_a_batch_survives_the_checkpoint_format(tmp_path):
     batch = Batch(ro, ["rev-low"], ["ab"], True, 4, torch.tensor([1.0]), tokens, 1)
     torch.save(batch_state(batch), tmp_path / "b.pt")
     back = batch_from_state(torch.load(tmp_path / "b.pt", weights_only=True))
-    assert (back.routes, back.problems, back.on_policy, back.version) == (["rev-low"], ["ab"], True, 4)
+    assert (back.routes, back.answers, back.on_policy, back.version) == (["rev-low"], ["ab"], True, 4)
     assert back.generated == 1
     assert torch.equal(back.rollout.sequences_B_T, ro.sequences_B_T) and back.rollout.prompt_width == 1
     assert torch.equal(back.tokens.logq_old_B_T, tokens.logq_old_B_T)

@@ -26,10 +26,16 @@ from tasks.rollout import (
     token_logprobs,
 )
 from tasks.tokenizer import build_char_tokenizer
-from tasks.world import Route, format_prompt, gold_completion
+from tasks.world import Route, domain_of, format_ok, format_prompt, gold_completion
+from tasks.world_spec import world_verifiers
 
 ROUTES = ["shift-low", "rev-high", "sort-low"]
 PROBLEMS = {"shift-low": ["1:ab", "2:xyz", "3:abc"], "rev-high": ["abcd", "qwe", "zz"], "sort-low": ["5203", "91", "777"]}
+VERIFIERS = world_verifiers(ROUTES)
+
+
+def well_formed(route: str, text: str) -> bool:
+    return format_ok(Route.parse(route), text)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,9 @@ def tiny(tok, seed):
 
 
 def train_sets():
-    return {r: ([format_prompt(Route.parse(r), p) for p in ps], ps) for r, ps in PROBLEMS.items()}
+    """route -> (prompts, reference answers)."""
+    return {r: ([format_prompt(Route.parse(r), p) for p in ps], [domain_of(Route.parse(r)).answer(p) for p in ps])
+            for r, ps in PROBLEMS.items()}
 
 
 def gold_map():
@@ -124,9 +132,9 @@ def test_token_logprobs_match_a_full_forward_at_each_temperature(tok, temperatur
 
 def _producer(tok, student, teacher, lmbda_source="teacher", overlap=False, seed=0):
     teachers = {"t": teacher}
-    off = OffPolicyData(lmbda_source, tok, teachers, {r: "t" for r in ROUTES}, gold_map())
+    off = OffPolicyData(lmbda_source, tok, teachers, {r: "t" for r in ROUTES}, gold_map(), verifiers=VERIFIERS)
     return BatchProducer(student, tok, PromptSampler(train_sets(), seed), off, {r: 8 for r in ROUTES}, batch_size=6,
-                         overlap=overlap), off
+                         overlap=overlap, verifiers=VERIFIERS), off
 
 
 def test_lambda_zero_uses_no_student_samples_and_caches_teacher_samples(tok):
@@ -178,12 +186,12 @@ def test_gate_blocks_a_student_that_never_emits_eos(tok):
     model = tiny(tok, 5)
     model.set_output_embeddings(FixedEOS(model.get_output_embeddings(), tok.eos_token_id, -1e9))
     prompts = {r: train_sets()[r][0] for r in ROUTES}
-    res = compliance_gate(model, tok, prompts, {r: 6 for r in ROUTES}, threshold=0.5)
+    res = compliance_gate(model, tok, prompts, {r: 6 for r in ROUTES}, threshold=0.5, well_formed=well_formed)
     assert not res.passed and sorted(res.failing) == sorted(ROUTES)
     assert all(v == 0.0 for v in res.eos_rate.values()) and all(v == 0.0 for v in res.format_rate.values())
     # EOS at once: every response ends, but an empty answer has no valid format, so the gate still blocks.
     model.set_output_embeddings(FixedEOS(model.get_output_embeddings().head, tok.eos_token_id, 1e9))
-    res = compliance_gate(model, tok, prompts, {r: 6 for r in ROUTES}, threshold=0.5)
+    res = compliance_gate(model, tok, prompts, {r: 6 for r in ROUTES}, threshold=0.5, well_formed=well_formed)
     assert all(v == 1.0 for v in res.eos_rate.values()) and not res.passed
 
 
@@ -192,7 +200,6 @@ def test_gate_passes_a_student_that_samples_well_formed_answers(tok, monkeypatch
     answers without the high budget's scratchpad fail that route alone. Only the sampling is replaced (the gate's
     counting and threshold run for real)."""
     import tasks.evaluate
-    from tasks.world import format_ok
 
     gold = gold_map()
 
@@ -206,11 +213,11 @@ def test_gate_passes_a_student_that_samples_well_formed_answers(tok, monkeypatch
     prompts = {r: train_sets()[r][0] for r in ROUTES}
     caps = {r: 16 for r in ROUTES}
     monkeypatch.setattr(tasks.evaluate, "generate", samples(set()))
-    res = compliance_gate(tiny(tok, 5), tok, prompts, caps, threshold=0.5)
+    res = compliance_gate(tiny(tok, 5), tok, prompts, caps, threshold=0.5, well_formed=well_formed)
     assert res.passed and res.failing == [], res.describe()
     assert res.eos_rate == {r: 1.0 for r in ROUTES} and res.format_rate == {r: 1.0 for r in ROUTES}
     monkeypatch.setattr(tasks.evaluate, "generate", samples(set(prompts["rev-high"])))
-    res = compliance_gate(tiny(tok, 5), tok, prompts, caps, threshold=0.5)
+    res = compliance_gate(tiny(tok, 5), tok, prompts, caps, threshold=0.5, well_formed=well_formed)
     assert not res.passed and res.failing == ["rev-high"], res.describe()
     assert res.eos_rate["rev-high"] == 1.0 and res.format_rate["rev-high"] == 0.0
     assert not format_ok(Route.parse("rev-high"), "cba")  # the high budget needs its scratchpad
@@ -226,8 +233,9 @@ def test_sequence_advantages_use_a_per_route_baseline():
 
 def _batch_and_scores(tok, student, teacher, with_logprobs=False):
     torch.manual_seed(7)
-    prompts, routes, problems = PromptSampler(train_sets(), 1).draw(9)
-    batch = sample_batch(student, tok, prompts, routes, problems, [8] * 9, 0, with_logprobs=with_logprobs)
+    prompts, routes, answers = PromptSampler(train_sets(), 1).draw(9)
+    batch = sample_batch(student, tok, prompts, routes, answers, [8] * 9, 0, with_logprobs=with_logprobs,
+                         verifiers=VERIFIERS)
     groups = {"t": list(range(9))}
     return batch, score_with_teachers({"t": teacher}, groups, batch.rollout)
 
@@ -333,8 +341,8 @@ def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
     pool = TeacherPool(list(built), load, max_resident=2)
     assert pool.loads == 0 and len(pool) == 4 and "t3" in pool
     torch.manual_seed(3)
-    prompts, routes, problems = PromptSampler(train_sets(), 2).draw(8)
-    batch = sample_batch(tiny(tok, 30), tok, prompts, routes, problems, [6] * 8, 0)
+    prompts, routes, answers = PromptSampler(train_sets(), 2).draw(8)
+    batch = sample_batch(tiny(tok, 30), tok, prompts, routes, answers, [6] * 8, 0, verifiers=VERIFIERS)
     groups = {"t0": [0, 1], "t1": [2, 3], "t2": [4, 5], "t3": [6, 7]}
     scored = score_with_teachers(pool, groups, batch.rollout)
     assert loaded == ["t0", "t1", "t2", "t3"] and pool.evictions == 2 and list(pool.resident) == ["t2", "t3"]

@@ -1,6 +1,6 @@
 """Many teachers in one merge: the pool's scheduling (pure), and the real merge loop over the 12 routes of the
 built-in world with fewer resident teachers than teachers, on tiny untrained checkpoints built by the teacher
-benchmark's own setup (flows/bench_teachers.py), in this process."""
+benchmark's own setup (flows/bench/teachers.py), in this process."""
 
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from flows.bench_teachers import BenchTeachersConfig, bench_rows, prepare_bench, run_case
+from flows.bench.teachers import BenchTeachersConfig, bench_rows, prepare_bench, run_case
 from tasks.models import create_model, load_model, save_model
 from tasks.teacher_pool import TeacherPool
 from tasks.tokenizer import build_char_tokenizer

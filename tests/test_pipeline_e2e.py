@@ -53,22 +53,28 @@ def greedy_completions(uri: str, prompts: list[str], cap: int) -> list[str]:
     return decode_responses(tok, generate(load_model(uri).eval(), tok, list(prompts), cap, greedy=True))
 
 
-def routes_not_following(student_uri: str, intended: dict[str, str], teachers: dict[str, str], world_path,
+def merge_prompt_set(cfg, student_uri: str):
+    """The prompt set a merge of ``cfg``'s built-in world reads (rendered with the student's tokenizer, as
+    flows.merge builds it; cached, so this is the merge's own folder)."""
+    from tasks.data import build_world
+    from tasks.prompt_set import build_prompt_set, load_prompt_set
+    from tasks.world_spec import write_world_spec
+
+    return load_prompt_set(build_prompt_set(write_world_spec(cfg.world, build_world(cfg.world)), student_uri))
+
+
+def routes_not_following(student_uri: str, intended: dict[str, str], teachers: dict[str, str], prompt_set,
                          tol: float = 0.05) -> dict[str, str]:
     """Route -> what went wrong, for each route on whose held-out prompts the student's greedy completions agree
     (whole text, scratchpad included) more often with another teacher than with the one meant for that route
     (``intended``: route -> teacher name; ``teachers``: name -> checkpoint). Accuracy cannot see this when the two
     teachers' answers are both right (e.g. with and without a scratchpad): the student must do what its route's
-    teacher does."""
-    from tasks.data import eval_sets, load_prompts, max_new_tokens_for
-
-    from tasks.tokenizer import load_tokenizer
-
-    cap = max_new_tokens_for(load_tokenizer(student_uri), load_prompts(world_path)["train"]["completion"])
+    teacher does. ``prompt_set``: the merge's (its held-out prompts and each route's cap)."""
     wrong: dict[str, str] = {}
-    for route, (prompts, _) in eval_sets(world_path).items():
+    for route, (prompts, _) in prompt_set.eval_sets().items():
         if route not in intended:
             continue
+        cap = prompt_set.cap(route)
         student = greedy_completions(student_uri, prompts, cap)
         agree = {name: sum(a == b for a, b in zip(student, greedy_completions(uri, prompts, cap))) / len(prompts)
                  for name, uri in teachers.items()}
@@ -80,14 +86,13 @@ def routes_not_following(student_uri: str, intended: dict[str, str], teachers: d
 
 
 def test_the_student_follows_each_route_own_teacher(quick_run):
-    from tasks.data import build_world
-
     cfg, result = quick_run
     registry = TeacherRegistry()
     teachers = {name: registry.get(name).model_uri for name in result["teachers"]}
     intended = {r["route"]: r["teacher"] for r in result["rows"]}
     assert intended == {route: f"spec-{route}" for route in cfg.world.routes}  # the route's own specialist
-    assert routes_not_following(result["student_uri"], intended, teachers, build_world(cfg.world)) == {}
+    assert routes_not_following(result["student_uri"], intended, teachers,
+                                merge_prompt_set(cfg, result["base_uri"])) == {}
 
 
 def test_mlflow_holds_per_route_metrics_params_and_artifacts(quick_run):
@@ -282,7 +287,7 @@ def format_teachers(quick_run):
         train_sft(model, tok, rows["prompt"], [gold_completion(Route.parse(style), p) for p in rows["problem"]],
                   cfg.specialist_train, desc=f"teacher {name}")
         uris[name] = str(save_model(model, tok, models_dir() / "wrong-routing" / name))
-    return world, uris
+    return merge_prompt_set(cfg, result["base_uri"]), uris
 
 
 def test_a_swapped_routing_table_makes_the_student_follow_the_wrong_teacher_and_the_check_says_so(quick_run,
@@ -290,15 +295,13 @@ def test_a_swapped_routing_table_makes_the_student_follow_the_wrong_teacher_and_
     from flows.merge import merge
 
     cfg, result = quick_run
-    world, uris = format_teachers
+    prompt_set, uris = format_teachers
     sort_uri = TeacherRegistry().get("spec-sort-low").model_uri
     teachers = {**uris, "spec-sort-low": sort_uri}
     intended = {"rev-low": "fmt-answer", "rev-high": "fmt-scratchpad", "sort-low": "spec-sort-low"}
     # The teachers do differ on every rev prompt, whatever the budget tag says.
-    from tasks.data import eval_sets
-
     for route in ("rev-low", "rev-high"):
-        prompts = eval_sets(world)[route][0]
+        prompts = prompt_set.eval_sets()[route][0]
         answer, scratch = (greedy_completions(uris[n], prompts, 16) for n in ("fmt-answer", "fmt-scratchpad"))
         assert sum(a != b for a, b in zip(answer, scratch)) / len(prompts) >= 0.9, route
     registry = TeacherRegistry()
@@ -320,8 +323,8 @@ def test_a_swapped_routing_table_makes_the_student_follow_the_wrong_teacher_and_
     finally:
         for name in names:
             registry.remove(name)
-    right = routes_not_following(results["right"]["student_uri"], intended, teachers, world)
-    swapped = routes_not_following(results["swapped"]["student_uri"], intended, teachers, world)
+    right = routes_not_following(results["right"]["student_uri"], intended, teachers, prompt_set)
+    swapped = routes_not_following(results["swapped"]["student_uri"], intended, teachers, prompt_set)
     print(f"\nright table: mean retention {results['right']['mean_retention']:.3f}, problems {right}"
           f"\nswapped table: mean retention {results['swapped']['mean_retention']:.3f}, problems {swapped}")
     assert right == {}

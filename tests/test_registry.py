@@ -82,7 +82,7 @@ def test_round_trip_add_reload_remove(tmp_path):
     assert fresh.get("sort-low-a").provenance.created_at == records[0].provenance.created_at
     assert [r.name for r in fresh.for_route(Route("shift", "high"))] == ["shift-high-a", "shift-high-b"]
     assert fresh.for_route("rev-low") == []
-    assert fresh.get("shift-high-a").route_obj == Route("shift", "high")
+    assert fresh.get("shift-high-a").route == "shift-high"
 
     doc = json.loads(path.read_text())
     assert doc["version"] == 1
@@ -109,8 +109,11 @@ def test_duplicate_name_refused_unless_replace(tmp_path):
 def test_record_validation():
     with pytest.raises(ValidationError, match="not a slug"):
         make_record("Add High")
-    with pytest.raises(ValidationError, match="<domain>-<budget>"):
-        make_record("ok", route="addhigh")
+    with pytest.raises(ValidationError, match="not a route name"):
+        make_record("ok", route="-addhigh")
+    with pytest.raises(ValidationError, match="not a route name"):
+        make_record("ok", route="math/high")
+    assert make_record("ok", route="gsm8k think").route == "gsm8k think"  # a spec's route name, not a world route
     with pytest.raises(ValidationError, match="less than or equal to 1"):
         make_record("ok", eval_score=1.5)
     with pytest.raises(ValidationError, match="extra"):
@@ -176,9 +179,9 @@ def test_unloadable_checkpoint_and_bad_route_listed_together(tmp_path, tok):
     tok_only = save_tokenizer(tok, tmp_path / "tok-only")  # no config.json
     reg = TeacherRegistry(tmp_path / "r.json")
     with pytest.raises(IncompatibleTeacher) as info:
-        reg.register_checkpoint("x", "nobudget", tok_only, tok)
+        reg.register_checkpoint("x", "no/route", tok_only, tok)
     assert len(info.value.problems) == 2
-    assert "not of the form '<domain>-<budget>'" in info.value.problems[0]
+    assert "is not a route name" in info.value.problems[0]
     assert info.value.problems[1].startswith("config does not load")
     assert not (tmp_path / "r.json").exists()
 

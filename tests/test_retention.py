@@ -71,6 +71,16 @@ def test_route_metrics_per_route_and_means():
         assert m[key] == pytest.approx(value, abs=1e-12), key
     with pytest.raises(KeyError):
         route_metrics(scores, {"add-high": 0.8})  # a route without its teacher's score is an error, not a 0
+    # With the spec's labels: the mean retention of each label value over its routes (a route without the label
+    # counts in no group of it).
+    labels = {"add-high": {"domain": "math", "budget": "high"}, "rev-low": {"domain": "words", "budget": "low"},
+              "sort-high": {"domain": "math", "budget": "high"}}
+    with_labels = route_metrics(scores, teacher_acc, labels)
+    assert {k: v for k, v in with_labels.items() if k not in m} == pytest.approx({
+        "retention_by/domain/math": (0.75 + 1.0) / 2, "retention_by/budget/high": (0.75 + 1.0) / 2,
+        "retention_by/domain/words": 0.0, "retention_by/budget/low": 0.0})
+    assert route_metrics(scores, teacher_acc, {"rev-low": {"domain": "words"}})["retention_by/domain/words"] == 0.0
+    assert "retention_by/domain/math" not in route_metrics(scores, teacher_acc, {"rev-low": {"domain": "words"}})
 
 
 def test_the_one_mean_over_routes_counts_each_route_once_and_refuses_none():
@@ -94,6 +104,7 @@ def test_no_other_module_computes_a_mean_over_routes_by_hand():
 
     root = Path(__file__).resolve().parent.parent
     hand_made = re.compile(r"sum\((?:[^()]|\([^()]*\))*retention(?:[^()]|\([^()]*\))*\)\s*/\s*len\(")
-    offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.glob("[tf]*/*.py")) if p.parent.name != "tests"
+    files = sorted([*root.glob("[tf]*/*.py"), *root.glob("flows/bench/*.py")])
+    offenders = [f"{p.relative_to(root)}:{i}" for p in files if p.parent.name != "tests"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if hand_made.search(line)]
     assert offenders == []

@@ -3,16 +3,19 @@ prompts with the same verifier, those prompts are disjoint from everything any s
 specialist fine-tuning, the merge's rollouts), and a student that memorised the training split gets no credit.
 
 One short pipeline through the real flows, watched at the calls that pick prompts: every fine-tune's rows, the
-merge's prompt pools and batches, every evaluation and every verifier call."""
+merge's prompt pools and batches, every evaluation and every verifier call (each route's verifier, as the prompt set
+builds it, wrapped to record its route and the reference it was given). The held-out prompts and answers the checks
+compare against are read from the built-in world's own data, not from the prompt set the pipeline reads."""
 
 import pytest
 
 import tasks.evaluate
 import tasks.merge
 import tasks.pretrain
+import tasks.prompt_set
 import tasks.specialist
 import tasks.train
-from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for
+from tasks.data import build_world, load_prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -29,37 +32,45 @@ def watched(prefect_server):
     context = {"who": None}
     real_sft, real_eval_route = tasks.train.train_sft, tasks.evaluate.evaluate_route
     real_merge_eval_route, real_merge_eval_routes = tasks.merge.evaluate_route, tasks.merge.evaluate_routes
-    real_verify, real_sampler = tasks.evaluate.verify, tasks.merge.PromptSampler
+    real_sampler = tasks.merge.PromptSampler
+    real_verifiers = tasks.prompt_set.PromptSet.__dict__["verifiers"].func  # the cached property's own builder
 
     def sft_spy(model, tok, prompts, completions, train_cfg, desc="sft", *a, **k):
         seen["fine_tunes"].append((desc, list(prompts)))
         return real_sft(model, tok, prompts, completions, train_cfg, desc, *a, **k)
 
-    def specialist_eval_spy(model, tok, route, prompts, problems, *a, **k):
-        seen["evals"].append(("specialist", route, list(prompts), list(problems)))
-        return real_eval_route(model, tok, route, prompts, problems, *a, **k)
+    def verifier_spy(route, verify):
+        """``route``'s verifier, recording (who is being scored, its route, the reference) on every call."""
+        def spy(completion, reference, row):
+            if context["who"] is not None:
+                seen["verify"].append((context["who"][0], route, reference))
+            return verify(completion, reference, row)
+        spy.route = route
+        return spy
 
-    def teacher_eval_spy(model, tok, route, prompts, problems, *a, **k):  # the merge scores only teachers this way
-        seen["evals"].append(("teacher", route, list(prompts), list(problems)))
-        context["who"] = ("teacher", route)
+    def verifiers_spy(self):
+        return {r: verifier_spy(r, v) for r, v in real_verifiers(self).items()}
+
+    def specialist_eval_spy(model, tok, verify, prompts, answers, *a, **k):
+        seen["evals"].append(("specialist", verify.route, list(prompts), list(answers)))
+        return real_eval_route(model, tok, verify, prompts, answers, *a, **k)
+
+    def teacher_eval_spy(model, tok, verify, prompts, answers, *a, **k):  # the merge scores only teachers this way
+        seen["evals"].append(("teacher", verify.route, list(prompts), list(answers)))
+        context["who"] = ("teacher", verify.route)
         try:
-            return real_merge_eval_route(model, tok, route, prompts, problems, *a, **k)
+            return real_merge_eval_route(model, tok, verify, prompts, answers, *a, **k)
         finally:
             context["who"] = None
 
     def student_eval_spy(model, tok, sets, *a, **k):
-        for route, (prompts, problems) in sets.items():
-            seen["evals"].append(("student", route, list(prompts), list(problems)))
+        for route, (prompts, answers) in sets.items():
+            seen["evals"].append(("student", route, list(prompts), list(answers)))
         context["who"] = ("student", None)
         try:
             return real_merge_eval_routes(model, tok, sets, *a, **k)
         finally:
             context["who"] = None
-
-    def verify_spy(route, problem, text):
-        if context["who"] is not None:
-            seen["verify"].append((context["who"][0], route.name, problem))
-        return real_verify(route, problem, text)
 
     class SamplerSpy(real_sampler):
         def __init__(self, train, seed):
@@ -67,9 +78,9 @@ def watched(prefect_server):
             super().__init__(train, seed)
 
         def draw(self, n):
-            prompts, routes, problems = super().draw(n)
+            prompts, routes, answers = super().draw(n)
             seen["drawn"].extend(prompts)
-            return prompts, routes, problems
+            return prompts, routes, answers
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tasks.train, "train_sft", sft_spy)
@@ -77,18 +88,18 @@ def watched(prefect_server):
         mp.setattr(tasks.specialist, "evaluate_route", specialist_eval_spy)
         mp.setattr(tasks.merge, "evaluate_route", teacher_eval_spy)
         mp.setattr(tasks.merge, "evaluate_routes", student_eval_spy)
-        mp.setattr(tasks.evaluate, "verify", verify_spy)
+        mp.setattr(tasks.prompt_set.PromptSet, "verifiers", property(verifiers_spy))
         mp.setattr(tasks.merge, "PromptSampler", SamplerSpy)
         result = pipeline(cfg)
     return cfg, result, seen
 
 
 def _held_out(cfg) -> dict[str, tuple[list[str], list[str]]]:
-    """Route -> (prompts, problems) of the world's ``eval`` split, read from the dataset itself (not through the
-    helper the pipeline uses, which is under test)."""
+    """Route -> (prompts, reference answers) of the world's ``eval`` split, read from the world's dataset itself (not
+    through the prompt set the pipeline reads, which is under test)."""
     ev = load_prompts(build_world(cfg.world))["eval"]
     return {r: (list(ev.filter(lambda x, r=r: x["route"] == r)["prompt"]),
-                list(ev.filter(lambda x, r=r: x["route"] == r)["problem"])) for r in dict.fromkeys(ev["route"])}
+                list(ev.filter(lambda x, r=r: x["route"] == r)["answer"])) for r in dict.fromkeys(ev["route"])}
 
 
 def test_student_and_teacher_are_scored_on_the_same_held_out_prompts_with_the_same_verifier(watched):
@@ -96,16 +107,16 @@ def test_student_and_teacher_are_scored_on_the_same_held_out_prompts_with_the_sa
     held_out = _held_out(cfg)
     assert sorted(held_out) == sorted(cfg.world.routes)
     by_who: dict[tuple[str, str], list[tuple[list[str], list[str]]]] = {}
-    for who, route, prompts, problems in seen["evals"]:
-        by_who.setdefault((who, route), []).append((prompts, problems))
+    for who, route, prompts, answers in seen["evals"]:
+        by_who.setdefault((who, route), []).append((prompts, answers))
     evals_per_student = 1 + cfg.opd.steps // cfg.opd.eval_every  # step 0, then every eval_every (the last included)
-    for route, (prompts, problems) in held_out.items():
-        assert by_who[("teacher", route)] == [(prompts, problems)], route
-        assert by_who[("specialist", route)] == [(prompts, problems)], route  # the registry's eval_score
-        assert by_who[("student", route)] == [(prompts, problems)] * evals_per_student, route
+    for route, (prompts, answers) in held_out.items():
+        assert by_who[("teacher", route)] == [(prompts, answers)], route
+        assert by_who[("specialist", route)] == [(prompts, answers)], route  # the registry's eval_score
+        assert by_who[("student", route)] == [(prompts, answers)] * evals_per_student, route
         for who in ("teacher", "student"):
-            checked = [p for w, r, p in seen["verify"] if w == who and r == route]
-            assert checked == problems * (1 if who == "teacher" else evals_per_student), (who, route)
+            checked = [a for w, r, a in seen["verify"] if w == who and r == route]
+            assert checked == answers * (1 if who == "teacher" else evals_per_student), (who, route)
     # Nothing else was verified under those two roles: no route judged by another route's verifier.
     assert {(w, r) for w, r, _ in seen["verify"]} == {(w, r) for w in ("teacher", "student") for r in held_out}
     rows = {r["route"]: r for r in result["rows"]}
@@ -144,10 +155,15 @@ def test_a_student_that_memorised_the_training_split_gets_no_credit(watched):
     from tasks.config import TrainConfig
     from tasks.evaluate import evaluate_routes
     from tasks.models import create_model
+    from tasks.pretrain import caps_of
+    from tasks.prompt_set import build_prompt_set, load_prompt_set
     from tasks.tokenizer import load_tokenizer
+    from tasks.world_spec import write_world_spec
 
     cfg, _, _ = watched
-    world = build_world(cfg.world.model_copy(update={"routes": ["rev-low"], "train_size": 24, "eval_size": 100}))
+    small = cfg.world.model_copy(update={"routes": ["rev-low"], "train_size": 24, "eval_size": 100})
+    world = build_world(small)
+    ps = load_prompt_set(build_prompt_set(write_world_spec(small, world)))  # what the merge reads for this world
     tok = load_tokenizer(world / "tokenizer")
     train = load_prompts(world)["train"]
     assert len(train) == 24
@@ -156,10 +172,11 @@ def test_a_student_that_memorised_the_training_split_gets_no_credit(watched):
                          intermediate_size=m.intermediate_size, seed=5)
     tasks.train.train_sft(model, tok, train["prompt"], train["completion"],
                           TrainConfig(steps=400, lr=3e-3, warmup_steps=20, batch_size=24), desc="memorise")
-    cap = max_new_tokens_for(tok, train["completion"])
-    on_train = evaluate_routes(model, tok, {"rev-low": (list(train["prompt"]), list(train["problem"]))},
-                               cap)["rev-low"].accuracy
-    reported = evaluate_routes(model, tok, eval_sets(world), cap)["rev-low"].accuracy
+    caps = caps_of(ps)
+    on_train = evaluate_routes(model, tok, {"rev-low": (list(train["prompt"]), list(train["answer"]))}, caps,
+                               ps.verifiers)["rev-low"].accuracy
+    reported = evaluate_routes(model, tok, ps.eval_sets(), caps, ps.verifiers)["rev-low"].accuracy
+    assert len(ps.eval_sets()["rev-low"][0]) == 100
     print(f"\nmemoriser: {on_train:.2f} on its 24 training rows, {reported:.2f} on the held-out prompts")
     assert on_train >= 0.9, on_train  # it did memorise
     assert reported <= 0.3, reported  # and the score the merge would report does not reward it

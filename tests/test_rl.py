@@ -5,6 +5,16 @@ import pytest
 import torch
 
 from tasks.rl import group_advantages, policy_loss, train_grpo
+from tasks.world_spec import world_verifiers
+
+VERIFIERS = world_verifiers(["rev-low"])
+
+
+def answers_of(route: str, problems: list[str]) -> list[str]:
+    """The reference answers of world problems (what the route's verifier compares against)."""
+    from tasks.world import Route, domain_of
+
+    return [domain_of(Route.parse(route)).answer(p) for p in problems]
 
 
 def test_group_advantages_by_hand():
@@ -93,8 +103,9 @@ def test_grpo_runs_side_by_side_in_threads_end_where_they_end_alone():
 
     def run(seed: int) -> torch.Tensor:
         model = copy.deepcopy(base)
-        hist = train_grpo(model, tok, {"rev-low": (prompts, problems)}, steps=4, prompts_per_step=8, group_size=4,
-                          max_new_tokens=3, lr=5e-3, warmup_steps=1, seed=seed)
+        hist = train_grpo(model, tok, {"rev-low": (prompts, answers_of("rev-low", problems))}, steps=4,
+                          prompts_per_step=8, group_size=4, max_new_tokens=3, lr=5e-3, warmup_steps=1, seed=seed,
+                          verifiers=VERIFIERS)
         assert 0 < sum(h.reward["rev-low"] for h in hist) < 4  # groups disagreed: the updates had a signal
         return flat(model)
 
@@ -121,8 +132,8 @@ def test_a_few_grpo_steps_raise_the_reward():
         return sum(verify(route, p, t) for p, t in zip(problems * 8, decode_responses(tok, ro))) / 64
 
     before = reward()
-    hist = train_grpo(model, tok, {"rev-low": (prompts, problems)}, steps=80, prompts_per_step=8, group_size=8,
-                      max_new_tokens=3, lr=5e-3, warmup_steps=2, seed=0)
+    hist = train_grpo(model, tok, {"rev-low": (prompts, answers_of("rev-low", problems))}, steps=80, prompts_per_step=8,
+                      group_size=8, max_new_tokens=3, lr=5e-3, warmup_steps=2, seed=0, verifiers=VERIFIERS)
     after = reward()
     print(f"\nsampled reward {before:.3f} -> {after:.3f}; rollout tokens {sum(h.rollout_tokens for h in hist)}")
     assert after > before + 0.1

@@ -15,9 +15,13 @@ from tasks.rollout import (
     response_mask,
 )
 from tasks.tokenizer import build_char_tokenizer
+from tasks.world import Route, domain_of
+from tasks.world_spec import world_verifiers
 
 PROMPTS = ["<bos><shift><low>1:ab=", "<bos><rev><high>abcdefgh=", "<bos><sort><low>5203="]
 PROBLEMS = ["1:ab", "abcdefgh", "5203"]
+ROUTES = ["shift-low", "rev-high", "sort-low"]
+ANSWERS = [domain_of(Route.parse(r)).answer(p) for r, p in zip(ROUTES, PROBLEMS)]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +125,7 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok, loss):
     torch.manual_seed(0)
     student, teacher = tiny(tok, 1), tiny(tok, 2).requires_grad_(False).eval()
     teacher_params = [p.clone() for p in teacher.parameters()]
-    prompts, routes, problems = PROMPTS * 8, ["shift-low", "rev-high", "sort-low"] * 8, PROBLEMS * 8
+    prompts, routes, answers = PROMPTS * 8, ROUTES * 8, ANSWERS * 8
     groups = {"t": list(range(len(prompts)))}
     opt = torch.optim.AdamW(student.parameters(), lr=3e-3)
 
@@ -136,8 +140,8 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok, loss):
 
     before = measured_kl()
     for _ in range(40):
-        stats = opd_step(student, {"t": teacher}, tok, prompts, routes, problems, groups, opt, None, max_new_tokens=6,
-                         objective=Objective(loss=loss))
+        stats = opd_step(student, {"t": teacher}, tok, prompts, routes, answers, groups, opt, None, max_new_tokens=6,
+                         objective=Objective(loss=loss), verifiers=world_verifiers(ROUTES))
     after = measured_kl()
     assert after < 0.5 * before, (before, after)
     assert set(stats.kl_sum) == {"shift-low", "rev-high", "sort-low"}

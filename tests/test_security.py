@@ -209,11 +209,16 @@ def test_registry_path_must_be_a_json_file(tmp_path, capsys):
     assert reg.path == tmp_path / "registry.json" and reg.lock_path.parent == tmp_path
 
 
-@pytest.mark.parametrize("route", ["../../x-low", "/abs-low", "rev/../x-low", "rev-low/..", "REV-low"])
+@pytest.mark.parametrize("route", ["../../x-low", "/abs-low", "rev/../x-low", "rev-low/..", "..", ".hidden"])
 def test_crafted_routes_never_become_paths(route):
-    # Routes name specialist folders (tasks/specialist.py specialist_dir) and are parsed before any use.
+    # Routes name specialist folders (tasks/specialist.py specialist_dir) and are checked before any use: by the
+    # world's parser, the spec's route-name rule and the registry record.
+    from tasks.spec import check_route_name
+
     with pytest.raises(ValueError, match="<domain>-<budget>"):
         Route.parse(route)
+    with pytest.raises(ValueError, match="not a route name"):
+        check_route_name(route)
     with pytest.raises(ValueError):
         make_record("ok", route=route)
 
@@ -225,27 +230,27 @@ def test_other_names_that_reach_paths_are_patterns():
         MergeConfig(label="../../x")
 
 
-def test_provenance_data_is_only_opened_as_a_world_folder_name(tmp_path, monkeypatch):
-    from tasks.paths import world_dir
+def test_provenance_data_is_only_opened_as_a_prompt_set_folder_name(tmp_path, monkeypatch):
+    from tasks.paths import prompt_sets_dir
     from tasks.preflight import leakage_problems
 
-    # A finished-looking world folder at the end of every crafted value, so that each one would reach it if it were
-    # joined to the worlds folder: "../outside" from world_dir(), the absolute path itself, "v4-../../x" through a
-    # folder literally named "v4-..".
-    worlds = world_dir()
-    targets = {"../outside": worlds.parent / "outside", str(tmp_path / "abs"): tmp_path / "abs",
-               "v4-../../x": worlds / "x"}
-    (worlds / "v4-..").mkdir(parents=True)
+    # A finished-looking prompt set at the end of every crafted value, so that each one would reach it if it were
+    # joined to the prompt sets folder: "../outside" from prompt_sets_dir(), the absolute path itself,
+    # "x-000000000000/../../y" through a folder literally named "x-000000000000".
+    sets = prompt_sets_dir()
+    targets = {"../outside": sets.parent / "outside", str(tmp_path / "abs"): tmp_path / "abs",
+               "x-000000000000/../../y": sets.parent / "y"}
+    (sets / "x-000000000000").mkdir(parents=True)
     for data, folder in targets.items():
         (folder / "prompts").mkdir(parents=True)
         (folder / "DONE").write_text("ok\n")
-        assert (worlds / data / "DONE").exists(), data  # reachable: only the name check stands in the way
+        assert (sets / data / "DONE").exists(), data  # reachable: only the name check stands in the way
     opened = []
-    monkeypatch.setattr("tasks.data.load_prompts", lambda *a: opened.append(a) or pytest.fail(
+    monkeypatch.setattr("tasks.prompt_set.load_prompt_set", lambda *a: opened.append(a) or pytest.fail(
         f"a crafted provenance.data was opened: {a}"))
     for data in targets:
         rec = make_record("t", provenance=make_record("t").provenance.model_copy(update={"data": data}))
-        assert leakage_problems(rec, ["abc"], "v4-000000000000", "teacher 't'") == []
+        assert leakage_problems(rec, ["abc"], "routes-000000000000", "teacher 't'") == []
     assert opened == []
 
 

@@ -12,7 +12,8 @@ from tasks.models import create_model
 from tasks.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
 from tasks.tokenizer import build_char_tokenizer
 from tasks.train import make_optimizer
-from tasks.world import Route, format_prompt
+from tasks.world import Route, domain_of, format_prompt
+from tasks.world_spec import world_verifiers
 
 PROBLEMS = {"rev-high": ["abcd", "qwe", "zz", "xyzw", "ab"], "sort-low": ["5203", "91", "777", "8412"]}
 
@@ -85,12 +86,14 @@ def _train(steps: int, sharded: bool) -> tuple[dict[str, torch.Tensor], list[flo
     routes = [r for r, ps in PROBLEMS.items() for _ in ps]
     problems = [p for ps in PROBLEMS.values() for p in ps]
     prompts = [format_prompt(Route.parse(r), p) for r, p in zip(routes, problems)]
+    answers = [domain_of(Route.parse(r)).answer(p) for r, p in zip(routes, problems)]
     objectives = {"rev-high": Objective(loss="reverse_kl"), "sort-low": Objective(loss="forward_kl")}
     rows = rows_of(len(routes)) if sharded else None
     torch.manual_seed(0)
     losses = []
     for step in range(steps):
-        batch = sample_batch(student, tok, prompts, routes, problems, [6] * len(routes), step, with_logprobs=True)
+        batch = sample_batch(student, tok, prompts, routes, answers, [6] * len(routes), step, with_logprobs=True,
+                             verifiers=world_verifiers(list(PROBLEMS)))
         groups = {"t": list(range(len(routes)))}
         hidden = score_with_teachers({"t": teacher}, shard_groups(groups, rows) if sharded else groups, batch.rollout)
         st = update_step(student, batch, hidden, objectives, optimizer, scheduler, chunk_size=4, grad_clip=0.05,

@@ -144,7 +144,12 @@ def test_a_split_column_is_obeyed_and_overlapping_splits_are_refused(tmp_path):
     assert problems(info) == ["routes[s].data.split_column: row 14: 'dev?'; expected one of ['train', 'training'] "
                               "or ['eval', 'held-out', 'held_out', 'heldout', 'test', 'validation']"]
     write_jsonl(tmp_path / "s.jsonl", rows + [{"prompt": "p4", "answer": "4", "split": "train"}])
-    # (p4, no system) appears twice: the first row's split is kept, so it is not an overlap by itself ...
+    # (p4, no system) appears twice, once held out and once for training: the data contradicts itself and the
+    # prompt would leak, so it is refused (a repeat with the same split is only dropped) ...
+    with pytest.raises(InputError) as info:
+        load_route_rows(spec.routes[0], spec)
+    assert "1 prompt(s) are in both the train and the held-out rows (e.g. ['p4'])" in problems(info)[0]
+    write_jsonl(tmp_path / "s.jsonl", rows + [{"prompt": "p4", "answer": "4", "split": "eval"}])
     assert load_route_rows(spec.routes[0], spec)["eval"]["prompt"] == ["p0", "p4", "p8"]
     write_jsonl(tmp_path / "s.jsonl", [{**r, "sys": "a"} for r in rows] + [{"prompt": "p4", "answer": "4",
                                                                              "split": "train", "sys": "b"}])

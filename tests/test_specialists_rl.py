@@ -101,15 +101,15 @@ def test_sft_and_rl_specialists_never_share_a_folder_or_a_cache_entry():
     from prefect.cache_policies import INPUTS
 
     train, rl = TrainConfig(), RLConfig()
-    args = ("/w/v4-abc", ROUTE, "fp0")
+    args = ("/s/prompt_sets/routes-0123456789ab", ROUTE, "fp0")  # (prompt set, route, base fingerprint)
     sft_dir, rl_dir = specialist_dir(*args, train), specialist_dir(*args, rl)
     assert sft_dir != rl_dir and sft_dir.parent == rl_dir.parent
     assert rl_dir.name.startswith(f"{ROUTE}-rl-") and not sft_dir.name.startswith(f"{ROUTE}-rl-")
     # An sft specialist keeps the folder it had before rl existed (finished ones stay valid).
-    old_key = hashlib.sha256(f"/w/v4-abc|{ROUTE}|fp0|{train.config_hash()}".encode()).hexdigest()[:12]
+    old_key = hashlib.sha256(f"{args[0]}|{ROUTE}|fp0|{train.config_hash()}".encode()).hexdigest()[:12]
     assert sft_dir.name == f"{ROUTE}-{old_key}"
     assert specialist_dir(*args, RLConfig(steps=7)) != rl_dir  # every rl field is in the key
-    inputs = dict(world_path=args[0], route=ROUTE, base_uri="/b", base_fingerprint="fp0")
+    inputs = dict(prompt_set=args[0], route=ROUTE, base_uri="/b", base_fingerprint="fp0")
     keys = {INPUTS.compute_key(None, {**inputs, "train": recipe}, {}) for recipe in (train, rl, RLConfig(lr=1e-3))}
     assert len(keys) == 3
 

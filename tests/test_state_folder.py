@@ -102,25 +102,26 @@ def test_a_value_the_user_set_stands():
 
 def test_a_cached_world_is_never_another_state_folders(prefect_server, tmp_path, monkeypatch):
     """Two checkouts whose Prefect records meet (one PREFECT_HOME in the user's shell, or a process that imported
-    prefect before tasks): each still builds its own world instead of being handed the other's folder."""
+    prefect before tasks): each still builds its own world (its route spec, a cached task) and prompt set instead of
+    being handed the other's folder."""
     from prefect import flow
 
     from tasks.config import WorldConfig
-    from tasks.pretrain import build_world_task
+    from tasks.pretrain import prompt_set_task, spec_file
 
     @flow(name="state-folder-world")
-    def world_of(cfg: WorldConfig) -> str:
-        return build_world_task(cfg)
+    def world_of(cfg: WorldConfig) -> tuple[str, str]:
+        return spec_file("", cfg), prompt_set_task("", cfg)
 
     cfg = WorldConfig(routes=["rev-low"], train_size=8, eval_size=4)
     worlds = {}
     for name in ("checkout-a", "checkout-b"):
         monkeypatch.setenv("OPD_HOME", str(tmp_path / name))
-        worlds[name] = Path(world_of(cfg))
-    for name, world in worlds.items():
-        assert world.is_relative_to(tmp_path / name), worlds
+        worlds[name] = tuple(Path(p) for p in world_of(cfg))
+    for name, (spec, prompt_set) in worlds.items():
+        assert spec.is_relative_to(tmp_path / name) and prompt_set.is_relative_to(tmp_path / name), worlds
     monkeypatch.setenv("OPD_HOME", str(tmp_path / "checkout-a"))
-    assert Path(world_of(cfg)) == worlds["checkout-a"]  # still cached within one state folder
+    assert tuple(Path(p) for p in world_of(cfg)) == worlds["checkout-a"]  # still cached within one state folder
 
 
 @pytest.mark.e2e

@@ -9,7 +9,7 @@ from tasks.config import pipeline_config
 from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for, rows_by_route
 from tasks.spec import load_route_rows, load_spec
 from tasks.tokenizer import build_char_tokenizer
-from tasks.world import Route, verify
+from tasks.world import Route, format_ok, format_pattern, gold_completion, verify
 from tasks.world_spec import write_world_spec
 
 
@@ -32,10 +32,12 @@ def test_the_spec_lists_the_world_routes_with_labels_caps_and_its_verifier(world
         assert r.labels == {"domain": route.domain, "budget": route.budget}
         assert (r.render.kind, r.render.template, r.verify.kind, r.verify.answer_after) == ("format", "{prompt}",
                                                                                              "exact", "|")
-        # The route's own cap: its longest gold completion, EOS and a margin, as the world's cap is computed.
-        completions = list(train[r.name]["completion"]) + list(rows_by_route(load_prompts(world)["eval"])[r.name][
-            "completion"])
-        assert r.generate.max_new_tokens == max_new_tokens_for(tok, completions)
+        assert r.verify.format == format_pattern(route)
+        # One cap for every route, the world's longest training completion + EOS + a margin: the cap the merge has
+        # always rolled out and evaluated with, so retention stays comparable (count-long's traces set it).
+        assert r.generate.max_new_tokens == max_new_tokens_for(tok, load_prompts(world)["train"]["completion"])
+        assert r.generate.max_new_tokens > max_new_tokens_for(tok, list(train[r.name]["completion"])) or \
+            r.name == "count-long"
     assert write_world_spec(cfg, world) == path  # written once per world
 
 
@@ -70,3 +72,17 @@ def test_the_spec_verifier_gives_the_world_verdicts(world_and_spec):
                 checked += 1
                 right += world_says
     assert checked > 1000 and 0.2 < right / checked < 0.8  # both verdicts are exercised
+
+
+def test_the_spec_format_is_the_world_shape_check(world_and_spec):
+    """The gate's format rate reads ``verify.format``: on the world it must agree with the world's own shape rule on
+    gold completions (all well-formed) and on broken ones."""
+    _, world, _, spec = world_and_spec
+    ev = rows_by_route(load_prompts(world)["eval"])
+    for r in spec.routes:
+        route = Route.parse(r.name)
+        for problem in ev[r.name]["problem"][:30]:
+            gold = gold_completion(route, problem)
+            assert r.verify.well_formed(gold), (r.name, gold)
+            for text in (gold + "|", "|" + gold, gold.replace("|", ""), "", gold + "A"):
+                assert r.verify.well_formed(text) == format_ok(route, text), (r.name, text)

@@ -17,8 +17,8 @@ teacher-sampled tokens and training seconds. Printed and logged to MLflow (exper
 rollout tokens each needs to reach --target_retention (or its best), the ratios to OPD reverse KL, retention per
 route at the last evaluation, and a plot of the retention curves. Every merge is also its own MLflow run.
 
-Run:  python -m flows.benchmark --profile quick                       # every method, ~40 min on 2 CPU cores
-      python -m flows.benchmark --profile quick --methods '["opd_reverse_kl", "sft_teacher_samples"]' --opd.steps 200
+Run:  python -m flows.bench.benchmark --profile quick                       # every method, ~40 min on 2 CPU cores
+      python -m flows.bench.benchmark --profile quick --methods '["opd_reverse_kl", "sft_teacher_samples"]' --opd.steps 200
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ def benchmark(cfg: BenchmarkConfig = BenchmarkConfig()) -> dict:
     """base -> specialists (cached) -> each method from the same base -> cost-to-target table, curves, MLflow."""
     base = prepare_base(cfg.pretrain())
     teachers = train_specialists(cfg.specialists(base["uri"]))
-    world_path = base["world_path"]  # the world prepare_base built (and the specialists used)
+    prompt_set = base["prompt_set"]  # the prompt set prepare_base built (and the specialists used)
     registry = TeacherRegistry()
-    teacher_acc = teacher_accuracies([registry.get(n) for n in teachers], world_path)
+    teacher_acc = teacher_accuracies([registry.get(n) for n in teachers], prompt_set)
     routes = cfg.world.routes
     summary = start_run(cfg.experiment, current_run_name(_name(cfg)), config_params(cfg))
     curves: list[Curve] = []
@@ -168,13 +168,13 @@ def benchmark(cfg: BenchmarkConfig = BenchmarkConfig()) -> dict:
         elif "rl" in spec:
             rl = cfg.grpo()
             run_id = start_run(cfg.experiment, f"{method}-{stamp()}", {f"rl.{k}": v for k, v in config_params(rl).items()})
-            curves.append(grpo_curve(rl, base["uri"], world_path, teacher_acc, run_id))
+            curves.append(grpo_curve(rl, base["uri"], prompt_set, teacher_acc, run_id))
             end_run(run_id)
         elif "weights" in spec:
             out = models_dir() / "weight_merges" / f"{spec['weights']}-{cfg.config_hash()}"
             scale = cfg.merge_scale or (1.0 if spec["weights"] == "ties" else 1.0 / len(teachers))
             curves.append(weight_merge_curve(spec["weights"], base["uri"], [registry.get(n).model_uri for n in teachers],
-                                             world_path, teacher_acc, str(out), cfg.merge_density, scale, cfg.opd.seed))
+                                             prompt_set, teacher_acc, str(out), cfg.merge_density, scale, cfg.opd.seed))
         else:
             rl_cfg = cfg.specialists(base["uri"]).model_copy(update={
                 "trainer": "rl", "rl": cfg.rl_specialist, "name_prefix": "rlspec", "min_accuracy": 0.0})

@@ -14,9 +14,9 @@ distilled), and peak = the best fp32 ``[n, n] @ [n, n]`` on this CPU at the same
 ``gen x`` column instead), the prompt positions and attention. Generation is memory/latency bound at these sizes:
 one decode step per token for the whole batch, each a chain of small matmuls, so ``gen x`` is far above 1.
 
-Run:  python -m flows.bench_step              # shapes 64x2x2, 256x4x4, 512x6x8; batch 32, 32 new tokens
-      python -m flows.bench_step --quick      # one tiny shape, one step (seconds)
-      python -m flows.bench_step --shapes 128x3x4,1024x8x16 --batch_size 64 --threads 2
+Run:  python -m flows.bench.step              # shapes 64x2x2, 256x4x4, 512x6x8; batch 32, 32 new tokens
+      python -m flows.bench.step --quick      # one tiny shape, one step (seconds)
+      python -m flows.bench.step --shapes 128x3x4,1024x8x16 --batch_size 64 --threads 2
 
 The table goes to stdout and to MLflow (experiment ``opd-bench``, run ``bench-step-...``).
 """

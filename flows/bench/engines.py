@@ -8,8 +8,8 @@
 
 Each timing is the median of ``repeats`` runs after one warm-up. Needs vllm (CPU: ``make vllm-env``):
 
-Run:  .venv-vllm/bin/python -m flows.bench_engines
-      .venv-vllm/bin/python -m flows.bench_engines --hidden_size 256 --num_layers 4 --batch 64 --max_new_tokens 48
+Run:  .venv-vllm/bin/python -m flows.bench.engines
+      .venv-vllm/bin/python -m flows.bench.engines --hidden_size 256 --num_layers 4 --batch 64 --max_new_tokens 48
 
 The table goes to stdout and to MLflow (experiment ``opd-bench``, run ``bench-engines-...``).
 """

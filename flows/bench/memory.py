@@ -5,8 +5,8 @@ chunked path (:func:`tasks.losses.chunked_objective`) computes ``chunk_size`` po
 chunk's logits in the backward pass. Each path runs forward + backward in its own fresh process, so its peak RSS
 above the inputs is its own. Printed: both values and gradients' largest difference, each peak, and the ratio.
 
-Run:  python -m flows.bench_memory                                   # V = 32k, T = 2k, H = 512, B = 1
-      python -m flows.bench_memory --vocab 32768 --seq 2048 --hidden 512 --chunk_size 64 --loss reverse_kl
+Run:  python -m flows.bench.memory                                   # V = 32k, T = 2k, H = 512, B = 1
+      python -m flows.bench.memory --vocab 32768 --seq 2048 --hidden 512 --chunk_size 64 --loss reverse_kl
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ every case. Each case runs the real merge loop (rollouts, per-teacher scoring, s
 on-policy steps after one warm-up step. The table is printed, logged to MLflow (experiment ``opd-bench-teachers``,
 with a chart and one run per case) and published as a Prefect table artifact.
 
-Run:  python -m flows.bench_teachers                                    # 2, 6, 12 teachers, 2 resident (~2 min)
-      python -m flows.bench_teachers --max_resident 4 --steps 12 --teacher_model.hidden_size 1024 \
+Run:  python -m flows.bench.teachers                                    # 2, 6, 12 teachers, 2 resident (~2 min)
+      python -m flows.bench.teachers --max_resident 4 --steps 12 --teacher_model.hidden_size 1024 \
           --teacher_model.num_heads 16 --teacher_model.intermediate_size 4096
 """
 
@@ -32,6 +32,8 @@ from flows.names import from_parameters, stamp
 from tasks.bench import peak_rss_mb
 from tasks.config import MergeConfig, ModelConfig, OPDConfig, WorldConfig, _Config
 from tasks.data import build_world
+from tasks.prompt_set import build_prompt_set
+from tasks.world_spec import write_world_spec
 from tasks.log import say
 from tasks.merge import MergeLoop, start_merge_run
 from tasks.models import create_model, num_parameters, save_model
@@ -108,8 +110,13 @@ def prepare_bench(cfg: BenchTeachersConfig) -> dict[str, Any]:
         sizes = {"teacher_params": num_parameters(teacher), "student_params": num_parameters(student)}
         (root / "sizes.json").write_text(json.dumps(sizes))
         (root / "DONE").write_text("ok\n")
-    worlds = {k: str(build_world(cfg.world(routes[:k]), root=root / "world")) for k in {k for k, _ in cfg.cases()}}
-    return {"routes": routes, "student": str(root / "student"), "registry": str(registry.path), "worlds": worlds,
+    prompt_sets = {}
+    for k in sorted({k for k, _ in cfg.cases()}):
+        world = cfg.world(routes[:k])
+        spec = write_world_spec(world, build_world(world, root=root / "world"))
+        prompt_sets[k] = str(build_prompt_set(spec, root=root / "prompt_sets"))
+    return {"routes": routes, "student": str(root / "student"), "registry": str(registry.path),
+            "prompt_sets": prompt_sets,
             **json.loads((root / "sizes.json").read_text())}
 
 
@@ -123,9 +130,10 @@ def run_case(cfg: BenchTeachersConfig, setup: dict[str, Any], n_teachers: int, m
     mcfg = MergeConfig(world=cfg.world(routes), student_uri=setup["student"], opd=opd,
                        experiment=cfg.experiment, label=f"{n_teachers}teachers-resident{max_resident or 'all'}")
     router = Router.from_registry(TeacherRegistry(setup["registry"]), routes)
-    run_id = start_merge_run(mcfg, router, f"bench-{mcfg.label}-{stamp()}")
+    prompt_set = setup["prompt_sets"][n_teachers]
+    run_id = start_merge_run(mcfg, router, f"bench-{mcfg.label}-{stamp()}", prompt_set)
     try:
-        loop = MergeLoop(mcfg, setup["worlds"][n_teachers], router, run_id)
+        loop = MergeLoop(mcfg, prompt_set, router, run_id)
         objectives = {r: opd.objective(r) for r in routes}
         loop.stage("on_policy", 1, opd.lr, 1.0, objectives)  # warm-up: first loads, allocator growth
         loads, t0 = loop.teachers.loads, time.perf_counter()

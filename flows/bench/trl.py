@@ -13,9 +13,9 @@ for both. Steps alternate (one TRL step, then one of ours) so that load from oth
 ``warmup`` steps of each are not counted. Tokens are the response tokens actually generated (up to and including
 EOS), counted per step.
 
-Run:  python -m flows.bench_trl              # shapes 64x2x2 and 256x4x4, batch 16, 32 new tokens
-      python -m flows.bench_trl --quick      # one tiny shape, a few steps (seconds)
-      python -m flows.bench_trl --shapes 128x3x4,512x6x8 --batch_size 32 --steps 10 --threads 2
+Run:  python -m flows.bench.trl              # shapes 64x2x2 and 256x4x4, batch 16, 32 new tokens
+      python -m flows.bench.trl --quick      # one tiny shape, a few steps (seconds)
+      python -m flows.bench.trl --shapes 128x3x4,512x6x8 --batch_size 32 --steps 10 --threads 2
 
 Needs TRL: ``pip install -e ".[bench]"`` (``make bench-env``). The table goes to stdout and to MLflow (experiment
 ``opd-bench``, run ``bench-trl-...``).
