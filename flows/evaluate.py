@@ -21,7 +21,7 @@ from tasks.evaluate import evaluate_route, mean_retention, retention
 from tasks.log import link, say
 from tasks.models import load_model
 from tasks.preflight import CONFIG, Problem, registry_problems, routing_problems
-from tasks.pretrain import caps_of, prompt_set_task
+from tasks.pretrain import prompt_set_task
 from tasks.prompt_set import load_prompt_set
 from tasks.tokenizer import load_tokenizer
 from tasks.tracking import CHAMPION, STUDENT_MODEL, config_params, end_run, log_metrics, log_table, run_url, start_run
@@ -97,7 +97,7 @@ def evaluate(cfg: EvaluateConfig = EvaluateConfig()) -> dict:
     model = load_model(local).eval()
     router = Router.from_registry(TeacherRegistry(), ps.routes, teacher_names(cfg.teachers, ps.spec),
                                   fill_newest=not cfg.teachers)
-    caps, sets = caps_of(ps), ps.eval_sets()
+    caps, sets = ps.caps(), ps.eval_sets()
     rows = []
     for r in ps.routes:
         rec, verify = router.teacher_for(r), ps.verifier(r)

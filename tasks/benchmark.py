@@ -199,8 +199,8 @@ def held_out(prompt_set: str, routes: Sequence[str]):
     from tasks.prompt_set import load_prompt_set
 
     ps = load_prompt_set(prompt_set)
-    return ({r: s for r, s in ps.eval_sets().items() if r in routes}, {r: ps.cap(r) for r in routes},
-            {r: ps.verifier(r) for r in routes})
+    sets, caps = ps.eval_sets(), ps.caps()
+    return {r: sets[r] for r in routes}, {r: caps[r] for r in routes}, {r: ps.verifier(r) for r in routes}
 
 
 def teacher_accuracies(records, prompt_set: str) -> dict[str, float]:

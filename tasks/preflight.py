@@ -117,18 +117,14 @@ def spec_problems(cfg, tokenizer: str = "", context: int = 128):
     fields, columns, splits, verifiers, template, lengths). Returns (PromptSet or None, problems)."""
     from tasks.prompt_set import build_prompt_set, load_prompt_set
 
+    from tasks.pretrain import spec_path
+
     if not cfg.spec:
         _, problems = world_problems(cfg.world)
         if problems:
             return None, problems
-        from tasks.data import build_world
-        from tasks.world_spec import write_world_spec
-
-        spec_path = write_world_spec(cfg.world, build_world(cfg.world))
-    else:
-        spec_path = Path(cfg.spec).expanduser().resolve()
     try:
-        ps = load_prompt_set(build_prompt_set(spec_path, tokenizer, context))
+        ps = load_prompt_set(build_prompt_set(spec_path(cfg.spec, cfg.world), tokenizer, context))
     except InputError as e:
         return None, e.problems
     if cfg.spec:  # the config's per-route settings, checked against the spec's routes (world.routes: at construction)

@@ -11,11 +11,10 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.config import PretrainConfig, WorldConfig
 from tasks.log import say
-from tasks.data import build_world
 from tasks.evaluate import evaluate_routes
 from tasks.models import create_model, load_model, save_model
 from tasks.paths import models_dir, state_cache_policy
-from tasks.prompt_set import PromptSet, build_prompt_set, load_prompt_set
+from tasks.prompt_set import build_prompt_set, load_prompt_set
 from tasks.train import train_sft
 from tasks.tracking import config_params, end_run, log_metrics, start_run
 
@@ -35,18 +34,23 @@ def cached(task_fn, path_of, *args):
     return res
 
 
-@task(name="world-spec", cache_policy=state_cache_policy(), persist_result=True)
-def _world_spec(cfg: WorldConfig) -> str:
+def spec_path(spec: str, world: WorldConfig) -> Path:
+    """The route spec a flow reads: ``spec`` (the user's file), else the built-in world's, generated from ``world``
+    (written once per world)."""
     from tasks.world_spec import write_world_spec
 
-    return str(write_world_spec(cfg, build_world(cfg)))
+    return Path(spec).expanduser().resolve() if spec else write_world_spec(world)
+
+
+@task(name="world-spec", cache_policy=state_cache_policy(), persist_result=True)
+def _world_spec(cfg: WorldConfig) -> str:
+    return str(spec_path("", cfg))
 
 
 def spec_file(spec: str, world: WorldConfig) -> str:
-    """The route spec a flow reads: ``spec`` (the user's file), else the built-in world's, generated from ``world``
-    (a cached task)."""
+    """:func:`spec_path`, the built-in world's through a cached task (visible in the Prefect UI)."""
     if spec:
-        return str(Path(spec).expanduser().resolve())
+        return str(spec_path(spec, world))
     return cached(_world_spec, lambda path: str(Path(path).parent), world)
 
 
@@ -59,10 +63,6 @@ def prompt_set_task(spec: str, world: WorldConfig, tokenizer: str = "", context:
     """The prompt set of the flow's route spec, rendered with ``tokenizer`` (the folder of the model that reads it;
     empty: the spec's own). Validated every time (cheap); built once per spec text, data and tokenizer."""
     return _build_prompt_set(spec_file(spec, world), tokenizer, context)
-
-
-def caps_of(ps: PromptSet) -> dict[str, int]:
-    return {r: ps.cap(r) for r in ps.routes}
 
 
 def pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:
@@ -85,7 +85,7 @@ def _pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:
     run_id = start_run("opd-base", f"base-{cfg.config_hash()}", config_params(cfg))
     train_sft(model, tok, train["prompt"], train["completion"], cfg.train, desc="base pre-training",
               on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
-    scores = evaluate_routes(model, tok, ps.eval_sets(), caps_of(ps), ps.verifiers)
+    scores = evaluate_routes(model, tok, ps.eval_sets(), ps.caps(), ps.verifiers)
     log_metrics(run_id, {f"accuracy/{r}": s.accuracy for r, s in scores.items()}, cfg.train.steps)
     out = save_model(model, tok, models_dir() / f"base-{cfg.config_hash()}")
     end_run(run_id, {"model_uri": str(out)})
@@ -98,7 +98,7 @@ def given_base(base_model: str, prompt_set: str) -> dict:
     """A pretrained base the user gave: evaluated on every route's held-out prompts and recorded as the base."""
     ps = load_prompt_set(prompt_set)
     model = load_model(base_model).eval()
-    scores = evaluate_routes(model, ps.tokenizer(), ps.eval_sets(), caps_of(ps), ps.verifiers)
+    scores = evaluate_routes(model, ps.tokenizer(), ps.eval_sets(), ps.caps(), ps.verifiers)
     _record_base(base_model)
     return {"uri": base_model, "accuracy": {r: s.accuracy for r, s in scores.items()}}
 

@@ -270,6 +270,10 @@ class PromptSet:
         """The route's rollout and evaluation length cap (``generate.max_new_tokens``)."""
         return self.route(route).generate.max_new_tokens
 
+    def caps(self) -> dict[str, int]:
+        """route -> :meth:`cap`, every route."""
+        return {r: self.cap(r) for r in self.routes}
+
     def labels(self, route: str) -> dict[str, str]:
         return dict(self.route(route).labels)
 
@@ -288,8 +292,3 @@ def load_prompt_set(path: str | Path) -> PromptSet:
     if not (p / "DONE").exists():
         raise FileNotFoundError(f"{p} is not a finished prompt set (no DONE): build it with build_prompt_set")
     return PromptSet(p)
-
-
-def is_right(score: float) -> bool:
-    """Accuracy counts a prompt right only at a full score (a partial-credit verifier is reported beside it)."""
-    return score >= 1.0

@@ -155,7 +155,6 @@ def test_a_student_that_memorised_the_training_split_gets_no_credit(watched):
     from tasks.config import TrainConfig
     from tasks.evaluate import evaluate_routes
     from tasks.models import create_model
-    from tasks.pretrain import caps_of
     from tasks.prompt_set import build_prompt_set, load_prompt_set
     from tasks.tokenizer import load_tokenizer
     from tasks.world_spec import write_world_spec
@@ -172,7 +171,7 @@ def test_a_student_that_memorised_the_training_split_gets_no_credit(watched):
                          intermediate_size=m.intermediate_size, seed=5)
     tasks.train.train_sft(model, tok, train["prompt"], train["completion"],
                           TrainConfig(steps=400, lr=3e-3, warmup_steps=20, batch_size=24), desc="memorise")
-    caps = caps_of(ps)
+    caps = ps.caps()
     on_train = evaluate_routes(model, tok, {"rev-low": (list(train["prompt"]), list(train["answer"]))}, caps,
                                ps.verifiers)["rev-low"].accuracy
     reported = evaluate_routes(model, tok, ps.eval_sets(), caps, ps.verifiers)["rev-low"].accuracy
