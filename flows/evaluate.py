@@ -16,7 +16,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
 from flows.names import from_parameters, stamp
-from tasks.config import WorldConfig, _Config, pipeline_config, spec_field
+from tasks.config import SpecInput, WorldConfig, _Config, pipeline_config, spec_field
 from tasks.evaluate import evaluate_route, mean_retention, retention
 from tasks.log import link, say
 from tasks.models import load_model
@@ -32,7 +32,7 @@ from teachers.router import Router, teacher_names
 class EvaluateConfig(_Config):
     """What to evaluate, on which routes, against which teachers."""
 
-    spec: str = spec_field()
+    spec: SpecInput = spec_field()
     world: WorldConfig = Field(default_factory=WorldConfig)
     model_uri: str = Field(
         "", description=f"Local path, hub id or MLflow model URI; empty = models:/{STUDENT_MODEL}@{CHAMPION}."

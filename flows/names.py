@@ -21,9 +21,13 @@ def teachers_part(teachers: list[str], n_routes: int) -> str:
 
 def routes_part(cfg) -> str:
     """``3routes`` for the built-in world, the spec file's name (``routes.yaml`` -> ``routes``) for a user's spec
-    (its routes are known once the file is read; the name must not read it)."""
+    (its routes are known once the file is read; the name must not read it), ``inline-<sha12>`` for an inline one."""
     from pathlib import Path
 
+    from tasks.spec import inline_name, is_inline
+
+    if is_inline(cfg.spec):
+        return inline_name(cfg.spec)
     return Path(cfg.spec).stem if cfg.spec else f"{len(cfg.world.routes)}routes"
 
 

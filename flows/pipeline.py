@@ -22,6 +22,7 @@ from flows.names import from_parameters, pipeline_name
 from tasks.log import link, say
 from tasks.config import PipelineConfig, pipeline_config
 from tasks.preflight import preflight_pipeline
+from tasks.spec import spec_label
 from tasks.tracking import format_retention_table, run_url, tracking_uri
 
 
@@ -30,7 +31,8 @@ def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     """world -> base -> specialists -> registry -> OPD merge -> retention (each stage a subflow)."""
     t0 = time.perf_counter()
     routes = preflight_pipeline(cfg).routes  # every bad input refused here, all at once, before anything trains
-    say(f"[1/3] prepare base ({cfg.profile} profile, {cfg.spec or 'the built-in world'}: routes {', '.join(routes)})")
+    where = spec_label(cfg.spec) if cfg.spec else "the built-in world"
+    say(f"[1/3] prepare base ({cfg.profile} profile, {where}: routes {', '.join(routes)})")
     base = prepare_base(cfg.pretrain())
     say(f"[2/3] train specialists ({len(routes)} routes)")
     teachers = train_specialists(cfg.specialists(base["uri"]))

@@ -13,7 +13,7 @@ from typing import Optional
 from prefect import flow
 from pydantic import Field, field_validator, model_validator
 
-from tasks.config import _Config
+from tasks.config import SpecInput, _Config
 from tasks.log import say
 from tasks.paths import world_dir
 from tasks.tracking import publish_teacher, teacher_model_name
@@ -26,8 +26,8 @@ class RegisterConfig(_Config):
 
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Unique teacher name, e.g. rev-high-v2.")
     route: str = Field(..., description="Route it serves: a route name of the merge's spec (e.g. rev-high).")
-    spec: str = Field("", description="Route spec file whose routes the route must be one of; empty = not checked "
-                      "against a spec.")
+    spec: SpecInput = Field("", description="Route spec whose routes the route must be one of: a file's path, or the "
+                            "spec inline (an object, validated as a file is); empty = not checked against a spec.")
     model_uri: str = Field(..., min_length=1, description="Checkpoint folder or hub id (HF config, weights, tokenizer).")
     student_tokenizer: str = Field("", description="Tokenizer the student uses; empty = the built-in world's.")
     eval_score: Optional[float] = Field(None, ge=0, le=1, description="Its accuracy on its route, if known.")
@@ -45,11 +45,11 @@ class RegisterConfig(_Config):
     @model_validator(mode="after")
     def _in_spec(self) -> "RegisterConfig":
         if self.spec:
-            from tasks.spec import load_spec
+            from tasks.spec import read_spec, spec_label
 
-            routes = [r.name for r in load_spec(self.spec).routes]  # InputError names the file and field
+            routes = [r.name for r in read_spec(self.spec).routes]  # InputError names the file (or inline spec), field
             if self.route not in routes:
-                raise ValueError(f"route {self.route!r} is not a route of {self.spec}; its routes: {routes}")
+                raise ValueError(f"route {self.route!r} is not a route of {spec_label(self.spec)}; its routes: {routes}")
         return self
 
 

@@ -91,6 +91,7 @@ def opd_steps(cfg: BenchOPDConfig, student, teacher, tok) -> Callable[[int], Any
     wall time in ``seconds["step"]``."""
     from tasks.distill import opd_step
     from tasks.losses import Objective
+    from tasks.teacher import checkpoint_teachers
     from tasks.train import make_optimizer
 
     B = cfg.batch_size
@@ -100,8 +101,8 @@ def opd_steps(cfg: BenchOPDConfig, student, teacher, tok) -> Callable[[int], Any
     def step(i: int):
         rows = slice(i * B, (i + 1) * B)
         t0 = time.perf_counter()
-        stats = opd_step(student, {"teacher": teacher}, tok, prompts[rows], routes[rows], answers[rows],
-                         {"teacher": list(range(B))}, optimizer, scheduler, cfg.max_new_tokens,
+        stats = opd_step(student, checkpoint_teachers({"teacher": teacher}), tok, prompts[rows], routes[rows],
+                         answers[rows], {"teacher": list(range(B))}, optimizer, scheduler, cfg.max_new_tokens,
                          Objective(loss="reverse_kl"), cfg.chunk_size, grad_clip=1.0,
                          verifiers=world_verifiers(list(set(routes))))
         stats.seconds["step"] = time.perf_counter() - t0
@@ -117,6 +118,7 @@ def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok) -> tuple[
     background generation runs during them, so only their wall time means anything). Returns (seconds, response
     tokens learned from) of the timed steps."""
     from tasks.distill import BatchProducer, score_with_teachers, update_step
+    from tasks.teacher import checkpoint_teachers
     from tasks.losses import Objective
     from tasks.train import make_optimizer
 
@@ -146,7 +148,7 @@ def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok) -> tuple[
             if i == cfg.warmup:
                 t0 = time.perf_counter()
             batch = producer.next(1.0, i)
-            hidden = score_with_teachers({"teacher": teacher}, {"teacher": list(range(B))}, batch.rollout)
+            hidden = score_with_teachers(checkpoint_teachers({"teacher": teacher}), {"teacher": list(range(B))}, batch.rollout)
             stats = update_step(student, batch, hidden, objectives, optimizer, scheduler, cfg.chunk_size, 1.0)
             tokens += stats.tokens if i >= cfg.warmup else 0
         seconds = time.perf_counter() - t0

@@ -49,7 +49,6 @@ from tasks.config import MergeConfig, flatten
 from tasks.distill import Batch
 from tasks.losses import TokenInputs
 from tasks.rollout import Rollout
-from tasks.faults import fault
 from tasks.paths import state_dir
 
 FORMAT = 1
@@ -178,7 +177,6 @@ class MergeCheckpoints:
         tmp.mkdir(parents=True)
         save_file(_unshared(weights), tmp / "student.safetensors")
         _fsync(tmp / "student.safetensors")
-        fault("checkpoint_write")
         torch.save(trainer, tmp / "trainer.pt")
         _fsync(tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps({"format": FORMAT, **state}) + "\n")
@@ -192,7 +190,6 @@ class MergeCheckpoints:
         atomic_write_text(self.root / "latest", name + "\n")
         for old in self._committed()[:-KEEP]:
             shutil.rmtree(old)
-        fault("checkpoint_saved")
         return final
 
     def _committed(self) -> list[Path]:

@@ -23,7 +23,7 @@ import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import UnionType
-from typing import Any, Callable, Iterator, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Callable, Iterator, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -127,6 +127,8 @@ def _metavar(annotation: Any) -> str:
     if choices := _choices(annotation):
         short = "{" + ",".join(map(str, choices)) + "}"
         return short if len(short) <= _SHORT_CHOICES else "CHOICE"
+    if get_origin(annotation) is Annotated:  # a union member with a title: its type
+        return _metavar(get_args(annotation)[0])
     if get_origin(annotation) in (Union, UnionType):  # int | None: the flag takes the int (or null)
         return next((_metavar(a) for a in get_args(annotation) if a is not type(None)), "VALUE")
     origin = get_origin(annotation) or annotation

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from tasks.losses import Correction, LossName, Objective, TopKSource, TopKSupport
 from tasks.world import BUDGETS, DOMAINS, Route, all_routes, check_route, check_template
@@ -19,8 +20,33 @@ OffPolicySourceName = Literal["teacher", "dataset"]
 Profile = Literal["quick", "default"]
 
 
-SPEC_HELP = ("Route spec file (YAML or JSON; tasks/spec.py): each route's data, rendering, generation caps, verifier "
-             "and teacher. Empty = the built-in world's, written from world.* (the only thing world.* is used for).")
+SPEC_HELP = ("Route spec (tasks/spec.py): each route's data, rendering, generation caps, verifier and teacher. The "
+             "path of a YAML or JSON file, or the spec itself inline (an object with the file's fields: version, "
+             "routes, tokenizer; on the command line as JSON text), validated by the same model. An inline spec's "
+             "local data paths (and a local tokenizer) must be absolute, as it has no folder to resolve them "
+             "against; it is written once, in the state folder, to specs/inline-<sha12>/routes.yaml and read from "
+             "there. Empty = the built-in world's, written from world.* (the only thing world.* is used for).")
+
+
+def _spec_input(value: Any) -> Any:
+    """A ``spec`` as given: a path stays a path; an inline spec (a mapping, or JSON text of one, as ``--spec '{...}'``
+    passes it) is validated here by the route spec's own model, its problems named ``inline spec: routes[<name>]...``
+    (:class:`tasks.problems.InputError`, which :func:`tasks.problems.validation_problems` lists one by one)."""
+    from tasks.spec import inline_mapping, parse_inline
+
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        value = inline_mapping(value)
+    if isinstance(value, Mapping):
+        parse_inline(value)
+        return inline_mapping(value)
+    return value
+
+
+# A route spec file's path, or the spec inline: the Prefect UI form offers both (a text box, or a JSON object).
+SpecInput = Annotated[
+    Union[Annotated[str, Field(title="path")], Annotated[dict[str, Any], Field(title="inline spec")]],
+    BeforeValidator(_spec_input),
+]
 
 
 WORLD_HELP = "The built-in world, used only when spec is empty: its routes, sizes and lengths."
@@ -357,7 +383,7 @@ class PretrainConfig(_Config):
     """Flow `prepare base`: build the prompt set of the route spec, then create a base from a config and pre-train it
     briefly on all routes' reference completions, or take a given pretrained base."""
 
-    spec: str = spec_field()
+    spec: SpecInput = spec_field()
     base_model: str = Field(
         "", description="A pretrained causal LM (local folder or hub id) to use as the shared base instead of "
         "pre-training one here: its tokenizer and chat template render the prompts. Empty = pre-train model.*.")
@@ -371,7 +397,7 @@ class PretrainConfig(_Config):
 class SpecialistsConfig(_Config):
     """Flow `train specialists`: one fine-tune of the base per route, evaluated and registered as a teacher."""
 
-    spec: str = spec_field()
+    spec: SpecInput = spec_field()
     world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     base_uri: str = Field("", description="Base checkpoint (local path or hub id); empty = the pipeline's base.")
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3),
@@ -398,7 +424,7 @@ class SpecialistsConfig(_Config):
 class MergeConfig(_Config):
     """Flow `merge`: on-policy distillation of the routed teachers into one student."""
 
-    spec: str = spec_field()
+    spec: SpecInput = spec_field()
     world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     student_uri: str = Field("", description="Student initialisation (local path or hub id); empty = the pipeline's base.")
     teachers: list[str] = Field(
@@ -427,7 +453,7 @@ class PipelineConfig(_Config):
     """Flow `pipeline` (the main job): world -> base -> specialists -> registry -> merge -> retention table."""
 
     profile: Profile = Field("default", description="Named preset this config started from.")
-    spec: str = spec_field()
+    spec: SpecInput = spec_field()
     base_model: str = PretrainConfig.model_fields["base_model"]
     world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the base created and pre-trained "

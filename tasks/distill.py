@@ -17,8 +17,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.engines import ServedTeacher, VLLMRollout, rollout_with_logprobs, served_scores
-from tasks.faults import fault
+from tasks.engines import ALL_VOCAB, VLLMRollout, rollout_with_logprobs
 from tasks.losses import DIAGNOSTICS, ExtrapolatedHead, Objective, TokenInputs, chunked_objective
 from tasks.rollout import (
     Rollout,
@@ -31,6 +30,7 @@ from tasks.rollout import (
     token_logprobs,
 )
 from tasks.evaluate import right
+from tasks.teacher import Teacher, TeacherBatch, TeacherScore
 from tasks.verifiers import Verifier
 
 OffPolicySource = Literal["teacher", "dataset"]
@@ -126,7 +126,6 @@ def sample_batch(
         temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
         lp = token_logprobs(model, rollout, temps)
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
-    fault("generate")  # test-only (tasks/faults.py): a kill here loses a batch sampled but not yet learned from
     rewards_B = verifier_rewards(tok, rollout, routes, answers, verifiers)
     return Batch(rollout, routes, answers, True, version, rewards_B, tokens, len(prompts),
                  int(rollout.response_lengths_B.sum()))
@@ -143,7 +142,7 @@ class OffPolicyData:
         self,
         source: OffPolicySource,
         tok: PreTrainedTokenizerBase,
-        teachers: Mapping[str, PreTrainedModel],
+        teachers: Mapping[str, Teacher],
         teacher_of: dict[str, str],
         gold: dict[str, str],
         sample_temperature: float = 1.0,
@@ -186,9 +185,8 @@ class OffPolicyData:
                 todo.setdefault(name, {})[p] = cap
         for name, caps in todo.items():
             plist = list(caps)
-            ro = generate(self.teachers[name], self.tok, plist, max(caps.values()), temperature=self.sample_temperature,
-                          generator=generator)
-            ro = cap_responses(ro, [caps[p] for p in plist], self.tok.eos_token_id)
+            ro = self.teachers[name].sample(self.tok, plist, [caps[p] for p in plist], self.sample_temperature,
+                                            generator)
             self.cache[name].update(zip(plist, response_ids(ro)))
             tokens += int(ro.response_lengths_B.sum())
         return sum(len(c) for c in todo.values()), tokens
@@ -325,39 +323,27 @@ class BatchProducer:
             self.pending = None
 
 
-TeacherScores = dict[str, tuple[list[int], torch.Tensor, torch.nn.Module]]
+TeacherScores = dict[str, TeacherScore]
 
 
 def score_with_teachers(
-    teachers: Mapping[str, PreTrainedModel],
+    teachers: Mapping[str, Teacher],
     groups: dict[str, list[int]],
     rollout: Rollout,
-    served: Mapping[str, ServedTeacher] | None = None,
-    served_k: dict[str, int] | None = None,
-    vocab_size: int = 0,
+    logprobs: Mapping[str, int] | None = None,
     costs: dict[str, list[float]] | None = None,
 ) -> TeacherScores:
-    """Final hidden states of each row's teacher on the student's exact sequence, one forward per teacher over its
-    rows (``groups``: teacher -> row indices, as :meth:`teachers.router.Router.group` makes them):
-    teacher -> (rows, hidden ``[b, T, H]``, output head). Keeping the head, not the model, lets a
-    :class:`tasks.teacher_pool.TeacherPool` evict the teacher before the update.
-
-    With ``served`` (teacher -> vLLM engine or endpoint) each teacher instead returns the prompt log-probs of its
-    rows' sequences, top ``served_k[name]`` per position (-1: the whole vocabulary), packed with a
-    :class:`tasks.engines.ServedHead` in place of hidden states and head: one request batch per teacher.
+    """Each teacher's :meth:`tasks.teacher.Teacher.score` of its rows of ``rollout`` (the student's exact sequences),
+    one call per teacher (``groups``: teacher -> row indices, as :meth:`teachers.router.Router.group` makes them; a
+    pool's :meth:`tasks.teacher_pool.TeacherPool.resident_first` orders them). ``logprobs`` (teacher -> -1 / k / 1,
+    :func:`tasks.engines.served_logprobs_k`) says how much of the distribution its rows' objectives read; default the
+    whole vocabulary.
 
     ``costs`` (teacher -> [tokens scored, seconds], added to) accounts what each teacher cost, loading included."""
     out = {}
     for name, rows in groups.items():
         t0 = time.perf_counter()
-        if served is not None:
-            out[name] = served_scores(served[name], rows, rollout, served_k[name], vocab_size)
-        else:
-            idx = torch.tensor(rows)
-            teacher = teachers[name]
-            with torch.no_grad():
-                hidden = forward_hidden(teacher, rollout.sequences_B_T[idx], rollout.attention_mask_B_T[idx])
-            out[name] = (rows, hidden, teacher.get_output_embeddings())
+        out[name] = teachers[name].score(TeacherBatch(rollout, rows, (logprobs or {}).get(name, ALL_VOCAB)))
         if costs is not None:
             cost = costs.setdefault(name, [0.0, 0.0])
             cost[0] += float(rollout.attention_mask_B_T[torch.tensor(rows)].sum())
@@ -381,8 +367,8 @@ def extrapolate_scores(
     ref_head = reference.get_output_embeddings()
     out = {}
     for name, (rows, hidden_b_T_Ht, head) in scores.items():
-        out[name] = (rows, torch.cat([hidden_b_T_Ht, ref_B_T_H[torch.tensor(rows)]], dim=-1),
-                     ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale))
+        out[name] = TeacherScore(rows, torch.cat([hidden_b_T_Ht, ref_B_T_H[torch.tensor(rows)]], dim=-1),
+                                 ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale))
     if costs is not None:
         cost = costs.setdefault("reference", [0.0, 0.0])
         cost[0] += float(rollout.attention_mask_B_T.sum())
@@ -482,13 +468,10 @@ def update_step(
         ids = rollout.sequences_B_T[row][rollout.response_mask_B_T[row].bool()].tolist()
         stats.repetition[r] = stats.repetition.get(r, 0.0) + repetition_rate(ids)
         stats.length[r] = stats.length.get(r, 0.0) + len(ids)
-    if fault("loss") == "nan":  # test-only (tasks/faults.py): a real NaN, through the backward pass
-        loss = loss * float("nan")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # also on a non-finite loss: with a sharded student the backward is collective
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: a DTensor
-    fault("update")
     # A non-finite loss or gradient is skipped whole: no optimizer step (the weights and Adam moments stay finite) and
     # no LR-schedule step; the caller counts it. The norm is global, so every rank of a sharded student agrees.
     stats.skipped = not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)))
@@ -507,7 +490,7 @@ def update_step(
 
 def opd_step(
     student: PreTrainedModel,
-    teachers: dict[str, PreTrainedModel],
+    teachers: Mapping[str, Teacher],
     tok: PreTrainedTokenizerBase,
     prompts: list[str],
     routes: list[str],

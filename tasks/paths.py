@@ -1,6 +1,8 @@
 """Where the project keeps its state. One root, ``$OPD_HOME`` or ``<project>/.opd``, holds everything a run writes:
 
     .opd/world/        the built-in world: its generated data and route spec, keyed by world config hash
+    .opd/specs/        route specs given inline (the Prefect form's JSON, --spec '{...}'), each written once as
+                       inline-<sha12>/routes.yaml, named by the hash of its text (tasks/spec.py: write_inline_spec)
     .opd/prompt_sets/  rendered prompt sets (tasks/prompt_set.py) built from route specs, keyed by their inputs
     .opd/models/       base, specialists and merged students (safetensors checkpoints)
     .opd/checkpoints/  merge checkpoints, one folder per merge, to resume after a kill (tasks/checkpoint.py)
@@ -46,6 +48,28 @@ def world_dir() -> Path:
 
 def prompt_sets_dir() -> Path:
     return state_dir() / "prompt_sets"
+
+
+def specs_dir() -> Path:
+    return state_dir() / "specs"
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, then renamed over ``path``, so a
+    reader (another process, a crash halfway) sees the whole old file, the whole new one or none."""
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would outlive the rename
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 @contextmanager

@@ -116,6 +116,7 @@ def spec_problems(cfg, tokenizer: str = "", context: int = 128):
     prompt files and splits, for a user's spec everything :func:`tasks.prompt_set.build_prompt_set` checks (file,
     fields, columns, splits, verifiers, template, lengths). Returns (PromptSet or None, problems)."""
     from tasks.prompt_set import build_prompt_set, load_prompt_set
+    from tasks.spec import as_inline, is_inline, spec_label
 
     from tasks.pretrain import spec_path
 
@@ -123,13 +124,15 @@ def spec_problems(cfg, tokenizer: str = "", context: int = 128):
         _, problems = world_problems(cfg.world)
         if problems:
             return None, problems
+    path = None
     try:
-        ps = load_prompt_set(build_prompt_set(spec_path(cfg.spec, cfg.world), tokenizer, context))
+        path = spec_path(cfg.spec, cfg.world)  # an inline spec: validated, then written once as a file
+        ps = load_prompt_set(build_prompt_set(path, tokenizer, context))
     except InputError as e:
-        return None, e.problems
+        return None, (as_inline(e, path) if is_inline(cfg.spec) else e).problems
     if cfg.spec:  # the config's per-route settings, checked against the spec's routes (world.routes: at construction)
         try:
-            cfg.opd.check_routes(ps.routes, f"the routes of {cfg.spec}")
+            cfg.opd.check_routes(ps.routes, f"the routes of {spec_label(cfg.spec)}")
         except ValueError as e:
             return ps, [Problem(CONFIG, "opd", str(e))]
     return ps, []

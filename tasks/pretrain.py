@@ -4,7 +4,9 @@ non-zero everywhere), or a given pretrained model."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -14,7 +16,9 @@ from tasks.log import say
 from tasks.evaluate import evaluate_routes
 from tasks.models import create_model, load_model, save_model
 from tasks.paths import models_dir, state_cache_policy
+from tasks.problems import InputError
 from tasks.prompt_set import build_prompt_set, load_prompt_set
+from tasks.spec import as_inline, is_inline, write_inline_spec
 from tasks.train import train_sft
 from tasks.tracking import config_params, end_run, log_metrics, start_run
 
@@ -34,11 +38,14 @@ def cached(task_fn, path_of, *args):
     return res
 
 
-def spec_path(spec: str, world: WorldConfig) -> Path:
-    """The route spec a flow reads: ``spec`` (the user's file), else the built-in world's, generated from ``world``
-    (written once per world)."""
+def spec_path(spec: str | Mapping[str, Any], world: WorldConfig) -> Path:
+    """The route spec a flow reads: ``spec`` (the user's file), an inline spec written once to
+    ``<state>/specs/inline-<sha12>/routes.yaml`` (:func:`tasks.spec.write_inline_spec`), else the built-in world's,
+    generated from ``world`` (written once per world)."""
     from tasks.world_spec import write_world_spec
 
+    if is_inline(spec):
+        return write_inline_spec(spec)
     return Path(spec).expanduser().resolve() if spec else write_world_spec(world)
 
 
@@ -47,7 +54,7 @@ def _world_spec(cfg: WorldConfig) -> str:
     return str(spec_path("", cfg))
 
 
-def spec_file(spec: str, world: WorldConfig) -> str:
+def spec_file(spec: str | Mapping[str, Any], world: WorldConfig) -> str:
     """:func:`spec_path`, the built-in world's through a cached task (visible in the Prefect UI)."""
     if spec:
         return str(spec_path(spec, world))
@@ -59,10 +66,17 @@ def _build_prompt_set(spec_path: str, tokenizer: str, context: int) -> str:
     return str(build_prompt_set(spec_path, tokenizer, context))
 
 
-def prompt_set_task(spec: str, world: WorldConfig, tokenizer: str = "", context: int = 128) -> str:
+def prompt_set_task(spec: str | Mapping[str, Any], world: WorldConfig, tokenizer: str = "", context: int = 128) -> str:
     """The prompt set of the flow's route spec, rendered with ``tokenizer`` (the folder of the model that reads it;
-    empty: the spec's own). Validated every time (cheap); built once per spec text, data and tokenizer."""
-    return _build_prompt_set(spec_file(spec, world), tokenizer, context)
+    empty: the spec's own). Validated every time (cheap); built once per spec text, data and tokenizer. The problems
+    of an inline spec name it ``inline spec``, not the file it was written to."""
+    path = spec_file(spec, world)
+    try:
+        return _build_prompt_set(path, tokenizer, context)
+    except InputError as e:
+        if is_inline(spec):
+            raise as_inline(e, path) from None
+        raise
 
 
 def pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:

@@ -41,6 +41,10 @@ def validation_problems(err: ValidationError, file: str = CONFIG,
     and the value given; without the link to pydantic's docs that ``str(err)`` ends each error with."""
     problems = []
     for e in err.errors():
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, InputError):  # a validator that read a file or a spec: its own problems, one by one
+            problems += cause.problems
+            continue
         field = (field_of(e.get("loc", ())) if field_of else ".".join(map(str, e.get("loc", ())))) or "(config)"
         message = re.sub(r"^(Value|Assertion) error, ", "", e["msg"])
         given = e.get("input")

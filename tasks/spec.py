@@ -18,12 +18,21 @@ A minimal file::
         generate: {max_new_tokens: 512, temperature: 1.0, stop: ["</s>"]}
         verify: {kind: numeric, answer_after: "####"}
         teacher: newest          # or a registry name
+
+The same spec may be given inline instead of as a file (the Prefect form's JSON, ``--spec '{"routes": [...]}'``):
+:func:`parse_inline` validates it with the same model, its problems named ``inline spec: routes[<name>].<field>``,
+and :func:`write_inline_spec` writes it once as ``<state>/specs/inline-<sha12>/routes.yaml``, which every later
+step reads as it would a user's file. An inline spec has no folder of its own, so its local data paths (and a local
+``tokenizer``) must be absolute; a hub id stays as it is, and a ``module:function`` verifier is imported from the
+Python path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import string
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -245,6 +254,121 @@ def parse_spec(raw: Any, path: str = "<spec>") -> RouteSpecFile:
         raise InputError(validation_problems(e, path, lambda loc: _where(loc, raw)), f"route spec {path}") from None
 
 
+INLINE = "inline spec"  # the ``file`` an inline spec's problems name: it has no file of its own (yet)
+INLINE_FILE = "routes.yaml"  # what an inline spec is written as, in its own folder under tasks.paths.specs_dir()
+
+
+def inline_mapping(raw: Any) -> dict[str, Any]:
+    """An inline spec as plain JSON data: a mapping, or JSON text of one (the command line's ``--spec '{...}'``)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise InputError([Problem(INLINE, "(text)", f"does not parse as JSON ({e}); expected a JSON object with "
+                                      "'routes', or the path of a spec file")], f"route spec {INLINE}") from None
+    if not isinstance(raw, Mapping):
+        raise InputError([Problem(INLINE, "(spec)", f"a {type(raw).__name__}; expected a mapping with 'routes'")],
+                         f"route spec {INLINE}")
+    try:  # what Prefect stores and the spec file will hold: JSON values only
+        return json.loads(json.dumps({k: v for k, v in raw.items() if k != "path"}))
+    except (TypeError, ValueError) as e:
+        raise InputError([Problem(INLINE, "(spec)", f"holds a value that is not JSON ({e}); expected strings, "
+                                  "numbers, booleans, lists and mappings")], f"route spec {INLINE}") from None
+
+
+def _path_like(value: str) -> bool:
+    """Written as a local path rather than a hub id (``org/name``: at most one ``/``)."""
+    return value.startswith(("/", ".", "~")) or value.count("/") > 1 or "\\" in value
+
+
+def _relative_path_problems(raw: dict[str, Any]) -> list[Problem]:
+    """An inline spec's local paths must be absolute: there is no spec folder to resolve a relative one against.
+    Read from the raw mapping, so that they are listed with the model's own problems, all at once."""
+    from types import SimpleNamespace
+
+    problems = []
+    why = "an inline spec has no folder to resolve a relative path against: expected an absolute path"
+    routes = raw.get("routes")
+    for i, route in enumerate(routes if isinstance(routes, list) else []):
+        data = route.get("data") if isinstance(route, dict) else None
+        source, fmt = (data.get("source"), data.get("format", "auto")) if isinstance(data, dict) else (None, None)
+        if not (isinstance(source, str) and source and isinstance(fmt, str)):
+            continue  # missing or mistyped: the model says so
+        local = _format_of(SimpleNamespace(source=source, format=fmt), Path(source)) != "hub"
+        if local and not Path(source).is_absolute():
+            name = route.get("name") or i
+            problems.append(Problem(INLINE, f"routes[{name}].data.source",
+                                    f"{source}: a relative path; {why} (or a hub dataset id, with format: hub)"))
+    tokenizer = raw.get("tokenizer")
+    if isinstance(tokenizer, str) and _path_like(tokenizer) and not Path(tokenizer).is_absolute():
+        problems.append(Problem(INLINE, "tokenizer", f"{tokenizer}: a relative path; {why} (or a hub id)"))
+    return problems
+
+
+def parse_inline(raw: Any) -> RouteSpecFile:
+    """Validate an inline spec (a mapping with the :class:`RouteSpecFile` fields, or JSON text of one) with the same
+    model as a file; :class:`InputError` lists every problem, named ``inline spec: routes[<name>].<field>``, and every
+    local path that is not absolute."""
+    raw = inline_mapping(raw)
+    problems = _relative_path_problems(raw)
+    try:
+        spec = parse_spec(raw, INLINE)
+    except InputError as e:
+        problems = e.problems + problems
+    if problems:
+        raise InputError(problems, f"route spec {INLINE}")
+    return spec
+
+
+def inline_text(raw: Any) -> str:
+    """The file an inline spec is written as: YAML, its keys in the order given."""
+    import yaml
+
+    return yaml.safe_dump(inline_mapping(raw), sort_keys=False, allow_unicode=True, width=120)
+
+
+def inline_name(raw: Any) -> str:
+    """``inline-<sha12>``: an inline spec's folder, named by the hash of its text (the same spec, the same folder)."""
+    return "inline-" + hashlib.sha256(inline_text(raw).encode()).hexdigest()[:12]
+
+
+def write_inline_spec(raw: Any, root: str | Path | None = None) -> Path:
+    """Validate an inline spec (:func:`parse_inline`) and write it, once, as ``<root>/inline-<sha12>/routes.yaml``
+    (``root``: :func:`tasks.paths.specs_dir`); returns that path, which every later step reads like a user's file."""
+    from tasks.paths import specs_dir, write_atomic
+
+    parse_inline(raw)
+    text = inline_text(raw)
+    out = Path(root or specs_dir()) / inline_name(raw) / INLINE_FILE
+    if not out.is_file() or out.read_text(encoding="utf-8") != text:
+        write_atomic(out, text)
+    return out
+
+
+def is_inline(spec: Any) -> bool:
+    """A flow config's ``spec`` that is the spec itself rather than the path of a file."""
+    return isinstance(spec, Mapping)
+
+
+def spec_label(spec: Any) -> str:
+    """How messages name a flow config's ``spec``: its path, or ``inline spec <sha12>``."""
+    return f"{INLINE} {inline_name(spec).removeprefix('inline-')}" if is_inline(spec) else str(spec)
+
+
+def read_spec(spec: Any) -> RouteSpecFile:
+    """A flow config's ``spec``, validated: the file at a path (:func:`load_spec`), or an inline one
+    (:func:`parse_inline`)."""
+    return parse_inline(spec) if is_inline(spec) else load_spec(spec)
+
+
+def as_inline(e: InputError, path: str | Path | None) -> InputError:
+    """``e`` with the problems of an inline spec's written file (``path``) named as the inline spec's, as its
+    validation problems are."""
+    problems = [Problem(INLINE, p.field, p.message) if path is not None and p.file == str(path) else p
+                for p in e.problems]
+    return InputError(problems, f"route spec {INLINE}")
+
+
 def load_spec(path: str | Path) -> RouteSpecFile:
     """Read a route spec file (``.yaml``/``.yml`` or ``.json``) and validate it."""
     import yaml
@@ -284,7 +408,8 @@ def _read(data: DataSpec, folder: Path, file: str, field: str):
     local = (folder / data.source).expanduser()
     fmt = _format_of(data, local)
     if fmt != "hub" and not local.exists():
-        raise InputError([Problem(file, field, f"{data.source}: no such file or folder (looked in {folder})")])
+        where = "" if Path(data.source).is_absolute() else f" (looked in {folder})"
+        raise InputError([Problem(file, field, f"{data.source}: no such file or folder{where}")])
     try:
         if fmt == "disk":
             ds = load_from_disk(str(local))

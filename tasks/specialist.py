@@ -17,7 +17,6 @@ from prefect import task
 from tasks.log import say
 from tasks.config import RLConfig, TrainConfig
 from tasks.evaluate import RouteScore, evaluate_route
-from tasks.faults import fault
 from tasks.models import load_model, save_model
 from tasks.paths import models_dir, state_cache_policy
 from tasks.prompt_set import load_prompt_set
@@ -104,7 +103,6 @@ def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprin
                       on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
         else:
             train_rl(model, tok, route, verify, tr, ev, cap, train, run_id)
-        fault(f"specialist/{route}")  # test-only (tasks/faults.py): a failure after the work, before the save
         score = log_eval(run_id, model, tok, route, verify, ev, cap, train.steps)
         out = save_model(model, tok, specialist_dir(prompt_set, route, base_fingerprint, train))
         MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at

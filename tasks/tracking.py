@@ -40,9 +40,15 @@ def setup_mlflow(experiment: str) -> str:
 
 
 def config_params(cfg: BaseModel) -> dict[str, str]:
-    """Every config field as an MLflow param, named as on the command line (``opd.steps``); URIs redacted."""
+    """Every config field as an MLflow param, named as on the command line (``opd.steps``); URIs redacted. An inline
+    route spec is logged as the path of the file it was written to (its text is the run's ``spec/`` artifact, its
+    hash the param ``spec_sha256``), not as the whole mapping."""
+    from tasks.spec import is_inline, write_inline_spec
+
     out = {}
     for k, v in flatten(cfg).items():
+        if k.rsplit(".", 1)[-1] == "spec" and is_inline(v):
+            v = str(write_inline_spec(v))
         out[k] = redact(json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v))
     return out
 

@@ -1,6 +1,8 @@
 """Test isolation: every pytest session gets its own project state (models, registry, MLflow store, Prefect home and
 result storage) in a temp dir, set before anything imports prefect or mlflow. Flows run against one Prefect test
-server per session (its start-up takes 15-20 s here, hence the long timeout)."""
+server per session (its start-up takes 15-20 s here, hence the long timeout). The test-only fault points
+(tests/faults) are installed in this process, and in every Python process the tests start: their folder with its
+``sitecustomize.py`` goes first on ``PYTHONPATH``."""
 
 import os
 import tempfile
@@ -12,6 +14,13 @@ os.environ["PREFECT_HOME"] = str(_STATE / "prefect")
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_STATE / "prefect" / "storage")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STATE / 'mlflow.db'}"
 os.environ.pop("OPD_REGISTRY", None)
+
+from tests.faults import SITE, install  # noqa: E402
+
+# $OPD_FAULT rules work in this process whenever a test sets them, and in its subprocesses (a flow's command, the
+# spawned ranks of a sharded merge) through tests/faults/site/sitecustomize.py, which installs them there when set.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
+install()
 
 import importlib.util  # noqa: E402
 
@@ -110,4 +119,4 @@ def flow_env(prefect_server) -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL
 
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+            "PYTHONPATH": os.pathsep.join([str(SITE), str(Path(__file__).resolve().parent.parent)])}

@@ -1,5 +1,8 @@
-"""Unit tier for the merge checkpoints (tasks/checkpoint.py) and the test-only fault injection (tasks/faults.py): what
-a write interrupted at any point leaves, what is read back, what makes two merges "the same command"."""
+"""Unit tier for the merge checkpoints (tasks/checkpoint.py) and the test-only fault injection (tests/faults): what
+a write interrupted at any point leaves, what is read back, what makes two merges "the same command"; the fault rules
+and where their points sit in the production code."""
+
+import math
 
 import pytest
 import torch
@@ -7,9 +10,18 @@ import torch
 from tasks.checkpoint import KEEP, MergeCheckpoints, batch_from_state, batch_state, merge_key
 from tasks.config import pipeline_config
 from tasks.distill import Batch
-from tasks.faults import InjectedFault, fault
 from tasks.losses import TokenInputs
 from tasks.rollout import Rollout
+from tests.faults import InjectedFault, fault, missing_anchors
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fault_counts(monkeypatch):
+    """Rule hits are counted per process until $OPD_FAULT changes: every test here starts from zero."""
+    import tests.faults.rules
+
+    monkeypatch.setattr(tests.faults.rules, "_counts", {})
+    monkeypatch.setattr(tests.faults.rules, "_spec_seen", [""])
 
 
 def _save(store: MergeCheckpoints, step: int):
@@ -107,3 +119,70 @@ def test_fault_rules_count_hits_per_point(monkeypatch):
     assert fault("loss") == "nan"
     monkeypatch.delenv("OPD_FAULT")
     assert fault("loss") is None
+
+
+def test_every_fault_point_still_has_the_call_it_hooks():
+    """tests/faults/points.py hooks each point on a call its production function makes: a refactor that drops the
+    call would silently disarm the point (and the reliability tests that need it)."""
+    assert missing_anchors() == []
+
+
+def test_checkpoint_saved_fires_once_the_checkpoint_is_committed(tmp_path, monkeypatch):
+    store = MergeCheckpoints(tmp_path / "m")
+    monkeypatch.setenv("OPD_FAULT", "checkpoint_saved:2=raise")
+    _save(store, 3)
+    with pytest.raises(InjectedFault, match=r"at checkpoint_saved \(hit 2"):
+        _save(store, 6)
+    assert store.latest().name == "step-00000006" and not list(store.root.glob(".tmp-*"))
+
+
+def test_the_generate_loss_and_update_points_sit_inside_one_step(monkeypatch):
+    """On tiny real models: ``generate`` fires per sampled batch; ``loss`` once per update (here two objectives, so
+    two objective calls a step) and its NaN is a real one, through the backward pass (NaN gradient norm, step
+    skipped); ``update`` fires with the gradients computed and no optimizer step taken."""
+    from tasks.distill import sample_batch, update_step
+    from tasks.losses import Objective
+    from tasks.models import create_model
+    from tasks.rollout import forward_hidden
+    from tasks.tokenizer import build_char_tokenizer
+    from tasks.world import Route, domain_of, format_prompt
+    from tasks.world_spec import world_verifiers
+
+    tok = build_char_tokenizer()
+    student, teacher = (create_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=s)
+                        for s in (8, 9))
+    problems = [("rev-high", "abcd"), ("rev-high", "qwe"), ("sort-low", "5203"), ("sort-low", "91")]
+    routes = [r for r, _ in problems]
+    prompts = [format_prompt(Route.parse(r), p) for r, p in problems]
+    answers = [domain_of(Route.parse(r)).answer(p) for r, p in problems]
+    verifiers = world_verifiers(sorted(set(routes)))
+
+    torch.manual_seed(0)
+    monkeypatch.setenv("OPD_FAULT", "generate:2=raise")
+    batch = sample_batch(student, tok, prompts, routes, answers, [6] * 4, 0, verifiers=verifiers)
+    with pytest.raises(InjectedFault, match=r"at generate \(hit 2"):
+        sample_batch(student, tok, prompts, routes, answers, [6] * 4, 0, verifiers=verifiers)
+
+    with torch.no_grad():
+        hidden = forward_hidden(teacher, batch.rollout.sequences_B_T, batch.rollout.attention_mask_B_T)
+    scores = {"t": (list(range(4)), hidden, teacher.get_output_embeddings())}
+    objectives = {"rev-high": Objective("reverse_kl"), "sort-low": Objective("forward_kl")}
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in student.state_dict().items()}
+
+    monkeypatch.setenv("OPD_FAULT", "loss:2=nan,update:3=raise")
+    w0 = weights()
+    first = update_step(student, batch, scores, objectives, optimizer)
+    assert not first.skipped and math.isfinite(first.loss), "the 1st step's loss was hit twice (once per objective)"
+    w1 = weights()
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)
+    second = update_step(student, batch, scores, objectives, optimizer)
+    assert second.skipped and math.isnan(second.loss) and math.isnan(second.grad_norm)
+    assert all(torch.equal(w1[k], v) for k, v in weights().items())
+    with pytest.raises(InjectedFault, match=r"at update \(hit 3"):
+        update_step(student, batch, scores, objectives, optimizer)
+    grads = [p.grad for p in student.parameters() if p.grad is not None]
+    assert grads and any(bool(g.abs().sum() > 0) for g in grads) and all(bool(g.isfinite().all()) for g in grads)
+    assert all(torch.equal(w1[k], v) for k, v in weights().items())  # computed, not stepped

@@ -25,6 +25,7 @@ from tasks.rollout import (
     rollout_from_responses,
     token_logprobs,
 )
+from tasks.teacher import checkpoint_teachers
 from tasks.tokenizer import build_char_tokenizer
 from tasks.world import Route, domain_of, format_ok, format_prompt, gold_completion
 from tasks.world_spec import world_verifiers
@@ -131,7 +132,7 @@ def test_token_logprobs_match_a_full_forward_at_each_temperature(tok, temperatur
 
 
 def _producer(tok, student, teacher, lmbda_source="teacher", overlap=False, seed=0):
-    teachers = {"t": teacher}
+    teachers = checkpoint_teachers({"t": teacher})
     off = OffPolicyData(lmbda_source, tok, teachers, {r: "t" for r in ROUTES}, gold_map(), verifiers=VERIFIERS)
     return BatchProducer(student, tok, PromptSampler(train_sets(), seed), off, {r: 8 for r in ROUTES}, batch_size=6,
                          overlap=overlap, verifiers=VERIFIERS), off
@@ -237,7 +238,7 @@ def _batch_and_scores(tok, student, teacher, with_logprobs=False):
     batch = sample_batch(student, tok, prompts, routes, answers, [8] * 9, 0, with_logprobs=with_logprobs,
                          verifiers=VERIFIERS)
     groups = {"t": list(range(9))}
-    return batch, score_with_teachers({"t": teacher}, groups, batch.rollout)
+    return batch, score_with_teachers(checkpoint_teachers({"t": teacher}), groups, batch.rollout)
 
 
 def test_route_weights_and_per_route_objectives(tok):
@@ -344,9 +345,9 @@ def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
     prompts, routes, answers = PromptSampler(train_sets(), 2).draw(8)
     batch = sample_batch(tiny(tok, 30), tok, prompts, routes, answers, [6] * 8, 0, verifiers=VERIFIERS)
     groups = {"t0": [0, 1], "t1": [2, 3], "t2": [4, 5], "t3": [6, 7]}
-    scored = score_with_teachers(pool, groups, batch.rollout)
+    scored = score_with_teachers(checkpoint_teachers(pool), groups, batch.rollout)
     assert loaded == ["t0", "t1", "t2", "t3"] and pool.evictions == 2 and list(pool.resident) == ["t2", "t3"]
-    reference = score_with_teachers(built, groups, batch.rollout)
+    reference = score_with_teachers(checkpoint_teachers(built), groups, batch.rollout)
     for name in groups:
         assert torch.equal(scored[name][1], reference[name][1])
     pool["t3"], pool["t2"]  # resident: no load, t2 becomes most recent
@@ -356,7 +357,7 @@ def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
     with pytest.raises(KeyError, match="no teacher 'nope'"):
         pool["nope"]
     unlimited = TeacherPool(list(built), load, max_resident=0)
-    score_with_teachers(unlimited, groups, batch.rollout)
+    score_with_teachers(checkpoint_teachers(unlimited), groups, batch.rollout)
     assert len(unlimited.resident) == 4 and unlimited.evictions == 0
 
 
@@ -390,7 +391,7 @@ def test_extrapolated_scores_target_the_teacher_at_scale_one_and_past_it_beyond(
     prompts = [format_prompt(Route.parse("rev-high"), p) for p in PROBLEMS["rev-high"]]
     ro = rollout_from_responses(tok, prompts, [tok(gold_completion(Route.parse("rev-high"), p),
                                                    add_special_tokens=False)["input_ids"] for p in PROBLEMS["rev-high"]])
-    scores = score_with_teachers({"t": teacher}, {"t": [0, 2]}, ro)
+    scores = score_with_teachers(checkpoint_teachers({"t": teacher}), {"t": [0, 2]}, ro)
     with torch.no_grad():
         logp_t = torch.log_softmax(teacher(input_ids=ro.sequences_B_T[[0, 2]],
                                            attention_mask=ro.attention_mask_B_T[[0, 2]],

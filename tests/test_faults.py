@@ -1,4 +1,4 @@
-"""Faults inside the process, for real (tasks/faults.py injects them; nothing under test is mocked): non-finite losses
+"""Faults inside the process, for real (tests/faults injects them; nothing under test is mocked): non-finite losses
 are skipped, counted and then stop the merge with its last checkpoint intact; a specialist that keeps failing loses
 none of the others and a transient failure is retried; a sharded (FSDP) merge that failed resumes from its
 checkpoint to the weights of a merge that never stopped. In-process flows on the short pipeline's models
@@ -14,20 +14,20 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from tasks.checkpoint import checkpoints_dir
-from tasks.faults import InjectedFault
 from tasks.tracking import tracking_uri
+from tests.faults import InjectedFault
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(autouse=True)
 def _fresh_fault_counts(monkeypatch):
-    """Fault rules count hits per process and only restart when $OPD_FAULT changes (tasks/faults.py): two tests in a row
+    """Fault rules count hits per process and only restart when $OPD_FAULT changes (tests/faults): two tests in a row
     with the same rule would share its counts, and the second would inject nothing where it means to."""
-    import tasks.faults
+    import tests.faults.rules
 
-    monkeypatch.setattr(tasks.faults, "_counts", {})
-    monkeypatch.setattr(tasks.faults, "_spec_seen", [""])
+    monkeypatch.setattr(tests.faults.rules, "_counts", {})
+    monkeypatch.setattr(tests.faults.rules, "_spec_seen", [""])
 
 
 def tiny_merge(short_pipeline, label: str, **opd):

@@ -138,3 +138,22 @@ def test_the_refusals_vocabulary_sits_at_the_bottom_of_the_tree():
     edges = project_imports("tasks")
     assert edges["tasks.problems"] == set()
     assert "tasks.problems" in edges["tasks.spec"] and "tasks.preflight" not in edges["tasks.spec"]
+
+
+# ------------------------------------------------------------------------------------- test-only fault injection
+
+
+def test_no_production_module_knows_of_fault_injection():
+    """Fault injection ($OPD_FAULT) is test-only: tests/faults hooks the production functions from outside, so no
+    module under tasks/, flows/ or teachers/ calls a fault point, imports a faults module or reads $OPD_FAULT."""
+    assert not (ROOT / "tasks" / "faults.py").exists()
+    offenders = []
+    files = sorted(p for package in ("tasks", "flows", "teachers") for p in (ROOT / package).rglob("*.py"))
+    assert len(files) > 50, len(files)  # it read the tree
+    for f in files:
+        text = f.read_text()
+        imports = [name for node in ast.walk(ast.parse(text, str(f))) if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for name in [getattr(node, "module", None) or "", *(a.name for a in node.names)]]
+        if re.search(r"\bfault\(", text) or "OPD_FAULT" in text or any("fault" in m for m in imports):
+            offenders.append(str(f.relative_to(ROOT)))
+    assert offenders == [], f"fault injection in production code: {offenders} (it belongs in tests/faults)"

@@ -1,5 +1,5 @@
 """Resume after a kill, for real. The merge command (``python -m flows.merge``) is killed with SIGKILL at three points
-(during generation, during the update, during a checkpoint write: tasks/faults.py makes the process kill itself
+(during generation, during the update, during a checkpoint write: tests/faults makes the process kill itself
 there), then the same command runs again: it resumes from its last checkpoint into the same MLflow run and ends with
 exactly the weights and metrics of a merge never interrupted. When the MLflow server goes down mid-merge, the merge
 stops with a clear error before doing more work, and the same command resumes once the server is back.
@@ -270,7 +270,7 @@ def test_a_resumed_merge_keeps_the_batch_generated_ahead_reused_rollouts_and_the
     from its step-4 checkpoint (checkpoints wait for a batch boundary) to the weights and metrics of one that never
     stopped."""
     from flows.merge import merge
-    from tasks.faults import InjectedFault
+    from tests.faults import InjectedFault
 
     cfg, res = short_pipeline
 

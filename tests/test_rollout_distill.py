@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tasks.distill import opd_step, score_with_teachers
+from tasks.teacher import checkpoint_teachers
 from tasks.losses import Objective, chunked_objective
 from tasks.models import create_model
 from tasks.rollout import (
@@ -134,13 +135,13 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok, loss):
         ro = generate(student, tok, prompts, max_new_tokens=6)
         with torch.no_grad():
             hs = forward_hidden(student, ro.sequences_B_T, ro.attention_mask_B_T)[:, :-1]
-            ht = score_with_teachers({"t": teacher}, groups, ro)["t"][1][:, :-1]
+            ht = score_with_teachers(checkpoint_teachers({"t": teacher}), groups, ro)["t"][1][:, :-1]
             return chunked_objective(hs, ht, student.get_output_embeddings(), teacher.get_output_embeddings(),
                                      ro.loss_mask_B_T(), Objective()).loss.item()
 
     before = measured_kl()
     for _ in range(40):
-        stats = opd_step(student, {"t": teacher}, tok, prompts, routes, answers, groups, opt, None, max_new_tokens=6,
+        stats = opd_step(student, checkpoint_teachers({"t": teacher}), tok, prompts, routes, answers, groups, opt, None, max_new_tokens=6,
                          objective=Objective(loss=loss), verifiers=world_verifiers(ROUTES))
     after = measured_kl()
     assert after < 0.5 * before, (before, after)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tasks.distill import sample_batch, score_with_teachers, update_step
+from tasks.teacher import checkpoint_teachers
 from tasks.losses import Objective
 from tasks.models import create_model
 from tasks.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
@@ -95,7 +96,7 @@ def _train(steps: int, sharded: bool) -> tuple[dict[str, torch.Tensor], list[flo
         batch = sample_batch(student, tok, prompts, routes, answers, [6] * len(routes), step, with_logprobs=True,
                              verifiers=world_verifiers(list(PROBLEMS)))
         groups = {"t": list(range(len(routes)))}
-        hidden = score_with_teachers({"t": teacher}, shard_groups(groups, rows) if sharded else groups, batch.rollout)
+        hidden = score_with_teachers(checkpoint_teachers({"t": teacher}), shard_groups(groups, rows) if sharded else groups, batch.rollout)
         st = update_step(student, batch, hidden, objectives, optimizer, scheduler, chunk_size=4, grad_clip=0.05,
                          route_weights={"sort-low": 2.0}, reward_weight=0.5, shard=rows)
         losses.append((sum_stats(st, list(PROBLEMS)) if sharded else st).loss)

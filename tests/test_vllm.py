@@ -15,6 +15,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="needs vllm: make vllm-env, then .venv-vllm/bin/python -m pytest -m vllm")
 
 from tasks.distill import score_with_teachers  # noqa: E402
+from tasks.teacher import make_teachers  # noqa: E402
 from tasks.engines import (  # noqa: E402
     ALL_VOCAB,
     EndpointTeacher,
@@ -22,7 +23,6 @@ from tasks.engines import (  # noqa: E402
     VLLMRollout,
     logprob_parity,
     parity_sequences,
-    served_scores,
 )
 from tasks.losses import Objective, TokenInputs, chunked_objective  # noqa: E402
 from tasks.models import create_model, save_model  # noqa: E402
@@ -105,9 +105,11 @@ def test_served_teacher_gives_the_same_objective_as_the_local_forward(tok, ckpts
     rows = list(range(len(PROMPTS)))
     k = served_logprobs_k([obj])
     assert k == (1 if obj.policy_gradient else obj.top_k or ALL_VOCAB)
-    served = EngineTeacher("t", teacher_path)
-    local = score_with_teachers({"t": teacher}, {"t": rows}, rollout)["t"]
-    remote = served_scores(served, rows, rollout, k, len(tok))
+    # The same teacher as two kinds behind one interface: its checkpoint, and a vLLM engine on that checkpoint.
+    models, servers = {"t": teacher}, {"t": EngineTeacher("t", teacher_path)}
+    local = score_with_teachers(make_teachers({"t": "checkpoint"}, models), {"t": rows}, rollout, {"t": k})["t"]
+    remote = score_with_teachers(make_teachers({"t": "engine"}, models, servers, len(tok)), {"t": rows}, rollout,
+                                 {"t": k})["t"]
     mask_B_T = rollout.loss_mask_B_T()
     hs_B_T_H = forward_hidden(student, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
     tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_B_T, logq_B_T) if obj.policy_gradient else None

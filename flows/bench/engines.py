@@ -25,8 +25,9 @@ from pydantic import Field
 
 from tasks.bench import median_seconds, publish, world_batch
 from tasks.config import _Config
-from tasks.engines import ALL_VOCAB, EngineTeacher, VLLMRollout, served_scores
+from tasks.engines import ALL_VOCAB, EngineTeacher, VLLMRollout
 from tasks.log import say
+from tasks.teacher import ServedTeacher, TeacherBatch
 from tasks.models import create_model, num_parameters, save_model
 from tasks.rollout import generate, token_logprobs
 from tasks.tokenizer import build_char_tokenizer
@@ -69,8 +70,9 @@ def bench_engines(cfg: BenchEnginesConfig) -> list[list]:
     real_tokens = int(vl_roll.attention_mask_B_T.sum())
     rows_all = list(range(cfg.batch))
     t_hf_score, _ = median_seconds(lambda: token_logprobs(model, vl_roll, (1.0,)), cfg.repeats)
-    t_k1, _ = median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, 1, len(tok)), cfg.repeats)
-    t_kv, _ = median_seconds(lambda: served_scores(teacher, rows_all, vl_roll, ALL_VOCAB, len(tok)), cfg.repeats)
+    served = ServedTeacher("bench", {}, {"bench": teacher}, len(tok))
+    t_k1, _ = median_seconds(lambda: served.score(TeacherBatch(vl_roll, rows_all, 1)), cfg.repeats)
+    t_kv, _ = median_seconds(lambda: served.score(TeacherBatch(vl_roll, rows_all, ALL_VOCAB)), cfg.repeats)
 
     syncs = [engine.sync(model, v) for v in range(1, 11)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -136,7 +136,7 @@ def run_case(cfg: BenchTeachersConfig, setup: dict[str, Any], n_teachers: int, m
         loop = MergeLoop(mcfg, prompt_set, router, run_id)
         objectives = {r: opd.objective(r) for r in routes}
         loop.stage("on_policy", 1, opd.lr, 1.0, objectives)  # warm-up: first loads, allocator growth
-        loads, t0 = loop.teachers.loads, time.perf_counter()
+        loads, t0 = loop.pool.loads, time.perf_counter()
         loop.stage("on_policy", cfg.steps, opd.lr, 1.0, objectives)
         seconds = time.perf_counter() - t0
     except BaseException:
@@ -146,8 +146,8 @@ def run_case(cfg: BenchTeachersConfig, setup: dict[str, Any], n_teachers: int, m
     teacher = [m.value for m in MlflowClient(tracking_uri()).get_metric_history(run_id, "time/teacher") if m.step > 1]
     return {"teachers": n_teachers, "max_resident": max_resident, "peak_rss_mb": peak_rss_mb(),
             "step_s": seconds / cfg.steps, "teacher_s": sum(teacher) / max(len(teacher), 1),
-            "loads_per_step": (loop.teachers.loads - loads) / cfg.steps, "loads": loop.teachers.loads,
-            "evictions": loop.teachers.evictions, "run_id": run_id}
+            "loads_per_step": (loop.pool.loads - loads) / cfg.steps, "loads": loop.pool.loads,
+            "evictions": loop.pool.evictions, "run_id": run_id}
 
 
 def run_case_in_subprocess(cfg: BenchTeachersConfig, setup: dict[str, Any], n_teachers: int,

@@ -1,18 +1,5 @@
-"""Fault injection for the reliability tests only: make this process die, stop or fail at a named point, or turn a
-loss into NaN, so that tests can check what a kill, a hung process or a non-finite step leaves behind
-(tests/test_resume.py, tests/test_faults.py). Nothing happens unless ``$OPD_FAULT`` is set: never set it in a real run.
-
-    OPD_FAULT="update:3=kill"               SIGKILL this process the 3rd time it reaches point ``update``
-    OPD_FAULT="checkpoint_saved:1=stop"     SIGSTOP it after its first checkpoint (the test sends SIGCONT)
-    OPD_FAULT="specialist/rev-low=raise"    raise InjectedFault (an OSError, so "transient") every time
-    OPD_FAULT="loss:3=nan,loss:5-=nan"      the 3rd loss and every loss from the 5th on become NaN
-
-A rule is ``POINT[:N|:N-][=ACTION]`` (no count: every time; ``N-``: from the Nth time on; default action ``kill``).
-Points: ``generate`` (an on-policy batch was sampled, not yet scored), ``loss`` (a distillation loss computed),
-``update`` (gradients computed, optimizer not stepped), ``checkpoint_write`` (half of a checkpoint's files
-written), ``checkpoint_saved`` (a checkpoint committed), ``specialist/<route>`` (a specialist trained, not saved).
-Hits are counted per process and point; the counts restart whenever ``$OPD_FAULT`` changes.
-"""
+"""The ``$OPD_FAULT`` rules (moved here from the production package: fault injection is test-only): which hit of which
+point does what. :mod:`tests.faults.points` calls :func:`fault` at each point; see :mod:`tests.faults` for the syntax."""
 
 from __future__ import annotations
 
