@@ -20,13 +20,14 @@ from tasks.config import SpecInput, WorldConfig, _Config, pipeline_config, spec_
 from tasks.evaluate import evaluate_route, mean_retention, retention
 from tasks.log import link, say
 from tasks.models import load_model
-from tasks.preflight import CONFIG, Problem, registry_problems, routing_problems
+from tasks.preflight import CONFIG, Problem
+from teachers.preflight import registry_problems, routing_problems
 from tasks.pretrain import prompt_set_task
 from tasks.prompt_set import load_prompt_set
 from tasks.tokenizer import load_tokenizer
 from tasks.tracking import CHAMPION, STUDENT_MODEL, config_params, end_run, log_metrics, log_table, run_url, start_run
 from teachers.registry import TeacherRegistry
-from teachers.router import Router, teacher_names
+from teachers.router import Router
 
 
 class EvaluateConfig(_Config):
@@ -95,8 +96,7 @@ def evaluate(cfg: EvaluateConfig = EvaluateConfig()) -> dict:
     ps = load_prompt_set(prompt_set_task(cfg.spec, cfg.world, local))
     tok = load_tokenizer(local)
     model = load_model(local).eval()
-    router = Router.from_registry(TeacherRegistry(), ps.routes, teacher_names(cfg.teachers, ps.spec),
-                                  fill_newest=not cfg.teachers)
+    router = Router.for_merge(TeacherRegistry(), ps.routes, cfg.teachers, ps.spec)
     caps, sets = ps.caps(), ps.eval_sets()
     rows = []
     for r in ps.routes:

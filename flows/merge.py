@@ -21,12 +21,12 @@ from tasks.log import link, say
 from tasks.config import MergeConfig, pipeline_config
 from tasks.evaluate import mean_retention
 from tasks.merge import TrackingUnavailable, mark_failed, open_merge_run, run_merge
-from tasks.preflight import preflight_merge
+from teachers.preflight import preflight_merge
 from tasks.pretrain import latest_base, prompt_set_task
 from tasks.prompt_set import load_prompt_set
 from tasks.tracking import format_retention_table, run_url, tracking_uri
 from teachers.registry import TeacherRegistry
-from teachers.router import Router, teacher_names
+from teachers.router import Router
 
 
 @task(name="route-teachers", cache_policy=NO_CACHE)
@@ -34,8 +34,7 @@ def route_teachers(cfg: MergeConfig, prompt_set: str) -> Router:
     """Map every route of the prompt set to a registered teacher (``cfg.teachers``, else the spec's per-route
     ``teacher``) and print the coverage report (or fail naming the routes that have teachers)."""
     ps = load_prompt_set(prompt_set)
-    router = Router.from_registry(TeacherRegistry(), ps.routes, teacher_names(cfg.teachers, ps.spec),
-                                  fill_newest=not cfg.teachers)
+    router = Router.for_merge(TeacherRegistry(), ps.routes, cfg.teachers, ps.spec)
     counts = {r: len(d) for r, d in ps.rows("train").items()}
     say("routing coverage:\n" + router.format_coverage(counts))  # its warnings were said by the preflight
     return router

@@ -124,7 +124,7 @@ def compare_objectives(cfg: ObjectivesConfig = ObjectivesConfig()) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     from tasks.cli import parse_config, problems_of
 
-    from tasks.preflight import preflight_pipeline
+    from teachers.preflight import preflight_pipeline
 
     # Refused before Prefect starts, with every problem the preflight finds; the flow runs it again (UI, deployments).
     cfg = parse_config(argv, objectives_config, __doc__, with_profile=True,

@@ -21,7 +21,7 @@ from flows.specialists import train_specialists
 from flows.names import from_parameters, pipeline_name
 from tasks.log import link, say
 from tasks.config import PipelineConfig, pipeline_config
-from tasks.preflight import preflight_pipeline
+from teachers.preflight import preflight_pipeline
 from tasks.spec import spec_label
 from tasks.tracking import format_retention_table, run_url, tracking_uri
 

@@ -29,9 +29,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 # tasks.config is imported where needed: it imports torch, which `python -m teachers list` should not wait for.
-from tasks.preflight import CONFIG, InputError, Problem
-from tasks.problems import validation_problems
-from teachers.registry import RegistryError
+from tasks.problems import CONFIG, InputError, Problem, UserError, validation_problems
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -53,7 +51,7 @@ class InvalidConfig(SystemExit):
 
 
 # The refusals run_main prints as messages: bad input found by the project's own checks.
-USER_ERRORS: tuple[type[BaseException], ...] = (InvalidConfig, InputError, RegistryError)
+USER_ERRORS: tuple[type[BaseException], ...] = (InvalidConfig, InputError, UserError)
 
 
 def _parse_value(text: str, default: Any) -> Any:

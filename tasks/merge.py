@@ -61,6 +61,7 @@ from tasks.paths import models_dir
 from tasks.prompt_set import load_prompt_set
 from tasks.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
 from tasks.tokenizer import load_tokenizer, tokenizer_fingerprint
+from tasks.routing import Routing, TeacherRecord, registry_fingerprint
 from tasks.teacher import make_teachers, teacher_kind
 from tasks.teacher_pool import TeacherPool
 from tasks.train import make_optimizer
@@ -79,8 +80,6 @@ from tasks.tracking import (
     start_run,
     tracking_uri,
 )
-from teachers.registry import TeacherRecord, registry_fingerprint
-from teachers.router import Router
 
 
 def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
@@ -194,7 +193,7 @@ class MergeLoop:
     stage it was taken in continues from its step with the optimizer, schedule, RNG and sampler states it had, and
     metrics MLflow already holds from a killed attempt are not logged twice."""
 
-    def __init__(self, cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
+    def __init__(self, cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
                  checkpoints: MergeCheckpoints | None = None):
         opd = self.opd = cfg.opd
         torch.manual_seed(opd.seed)
@@ -582,7 +581,7 @@ class MergeLoop:
 
 
 @task(name="distill", cache_policy=NO_CACHE, retry_condition_fn=is_transient)
-def run_merge(cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
+def run_merge(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
               checkpoint_dir: str | None = None) -> dict:
     """Merge the routed teachers into ``cfg.student_uri``: an optional off-policy cold start (supervised KD on
     teacher samples or gold completions), the compliance gate, then on-policy distillation with each route's
@@ -602,7 +601,7 @@ def run_merge(cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
     return merge_rank(cfg, prompt_set, router, run_id, checkpoint_dir)
 
 
-def merge_rank(cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
+def merge_rank(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
                checkpoint_dir: str | None = None) -> dict:
     """The body of :func:`run_merge` on one rank; rank 0 saves, registers and returns the references."""
     opd = cfg.opd
@@ -643,7 +642,7 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Router, run_id: str,
     return result
 
 
-def open_merge_run(cfg: MergeConfig, router: Router, run_name: str, prompt_set: str) -> tuple[str, MergeCheckpoints]:
+def open_merge_run(cfg: MergeConfig, router: Routing, run_name: str, prompt_set: str) -> tuple[str, MergeCheckpoints]:
     """This merge's MLflow run and checkpoint folder, locked for this process (:meth:`MergeCheckpoints.release`).
 
     The same command (same config up to :data:`tasks.checkpoint.RUN_POLICY`, student, teachers and MLflow store)
@@ -687,7 +686,7 @@ def mark_failed(run_id: str, status: str = "FAILED") -> None:
             "until the same command resumes it")
 
 
-def start_merge_run(cfg: MergeConfig, router: Router, run_name: str, prompt_set: str) -> str:
+def start_merge_run(cfg: MergeConfig, router: Routing, run_name: str, prompt_set: str) -> str:
     """Create the merge's MLflow run: every config field as a param, teachers and fingerprints as tags, the route
     spec as an artifact with its hash as a param (:func:`tasks.tracking.log_spec`)."""
     records = router.teachers()

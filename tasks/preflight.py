@@ -1,13 +1,13 @@
 """Preflight: every bad input is refused before any model is loaded or trained, all problems at once.
 
-The merge and pipeline flows call :func:`preflight_merge` / :func:`preflight_pipeline` as their first step. Each check
-below is a plain function that returns :class:`Problem` s (the file, the field, what is there and what was expected);
+The merge and pipeline flows call :func:`teachers.preflight.preflight_merge` /
+:func:`teachers.preflight.preflight_pipeline` as their first step (they read the teacher registry, so they live with it). Each check below is a plain function that returns :class:`Problem` s (the file, the field, what is there and what was expected);
 the entry points collect them all and raise one :class:`InputError` listing every one, or return a :class:`Report`
 with the warnings (odd but allowed, e.g. a named teacher whose route no prompt uses). The checks are cheap: JSON
 configs, safetensors headers (``safe_open``), tokenizers and prompt sets; no weights are read into a model.
 
     from tasks.config import pipeline_config
-    from tasks.preflight import preflight_merge
+    from teachers.preflight import preflight_merge
     report = preflight_merge(pipeline_config("quick").merge("", []))   # raises InputError listing every problem
 
 What is checked, and the rule behind each:
@@ -136,42 +136,6 @@ def spec_problems(cfg, tokenizer: str = "", context: int = 128):
         except ValueError as e:
             return ps, [Problem(CONFIG, "opd", str(e))]
     return ps, []
-
-
-# --------------------------------------------------------------------------------------------------------- registry
-
-
-def registry_problems(registry=None) -> tuple[Any, list[Problem]]:
-    """The registry (default: :func:`tasks.paths.registry_path`'s), None with the problem that keeps it from being
-    opened or read (file, field, expected)."""
-    from tasks.paths import registry_path
-    from teachers.registry import RegistryError, TeacherRegistry
-
-    try:
-        registry = registry or TeacherRegistry()
-        registry.list()
-    except RegistryError as e:
-        where = e.path or (registry.path if registry is not None else registry_path())
-        return None, [Problem(str(where), e.field or "document", e.detail)]
-    return registry, []
-
-
-def routing_problems(registry, routes: list[str], teacher_names: list[str] | None, fill_newest: bool = False):
-    """The router of ``routes`` (None when it cannot be formed), its warnings and the problems."""
-    from teachers.registry import TeacherNotFound
-    from teachers.router import Router, RoutingError, UnmappedRouteError
-
-    file = str(registry.path)
-    try:
-        router = Router.from_registry(registry, routes, teacher_names or None, fill_newest)
-    except UnmappedRouteError as e:
-        return None, [], [Problem(file, "routes", f"{e}; expected a registered teacher for every route "
-                                  "(python -m teachers register ..., or train specialists)")]
-    except TeacherNotFound as e:
-        return None, [], [Problem(file, "teachers", f"{e}; expected names of registered teachers")]
-    except RoutingError as e:
-        return None, [], [Problem(file, "teachers", str(e))]
-    return router, list(router.warnings), []
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoints
@@ -345,7 +309,7 @@ def leakage_problems(rec, eval_prompts: list[str], current: str, field_name: str
                     "the specialists' settings, or retrain them on these")]
 
 
-def _fingerprint(uri: str) -> str | None:
+def checkpoint_fingerprint_of(uri: str) -> str | None:
     from tasks.models import checkpoint_fingerprint
 
     try:
@@ -371,8 +335,8 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts:
             problems.append(Problem(registry_file, f"{name}.tokenizer_fingerprint", f"{rec.tokenizer_fingerprint} "
                                     f"recorded, but the tokenizer at {rec.model_uri} is {fp}; expected the tokenizer "
                                     "it was registered with (re-register the checkpoint)"))
-    problems += architecture_problems(rec, ck.config, student, student_fingerprint or cache(lambda: _fingerprint(
-        student.uri)), name)
+    problems += architecture_problems(
+        rec, ck.config, student, student_fingerprint or cache(lambda: checkpoint_fingerprint_of(student.uri)), name)
     if eval_prompts is not None:
         problems += leakage_problems(rec, eval_prompts, current, name)
     return problems
@@ -381,7 +345,8 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts:
 # ---------------------------------------------------------------------------------------------------- entry points
 
 
-def _finish(problems: list[Problem], report: Report, say_warnings: bool) -> Report:
+def finish(problems: list[Problem], report: Report, say_warnings: bool) -> Report:
+    """Raise :class:`InputError` listing ``problems``, or say the report's warnings and return it."""
     if problems:
         raise InputError(problems)
     if say_warnings:
@@ -390,69 +355,3 @@ def _finish(problems: list[Problem], report: Report, say_warnings: bool) -> Repo
         for w in report.warnings:
             say(f"warning: {w}")
     return report
-
-
-def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
-    """Check everything the merge flow will read, before it loads a model: the config's URIs, the prompt sets, the
-    registry and routing, the student and every routed teacher. Raises :class:`InputError` listing every problem."""
-    from tasks.paths import models_dir
-
-    problems = credential_problems({"student_uri": cfg.student_uri, "opd.reference_uri": cfg.opd.reference_uri})
-    student_uri = cfg.student_uri
-    if not student_uri:
-        marker = models_dir() / "LATEST_BASE"
-        student_uri = marker.read_text().strip() if marker.is_file() else ""
-        if not student_uri:
-            problems.append(Problem(str(marker), "student_uri", "empty, and no base model recorded here; expected a "
-                                    "checkpoint (--student_uri PATH) or a prior `python -m flows.base` run"))
-    student = Checkpoint(student_uri)
-    if student_uri and not any(p.field == "student_uri" for p in problems):  # not a URI carrying credentials
-        student = check_checkpoint(student_uri, "student_uri", grant=" (the student never runs custom code)")
-        problems += student.problems
-    ps = None
-    if not any(p.field == "student_uri" for p in problems):  # the prompts are rendered with the student's tokenizer
-        ps, found = spec_problems(cfg, student_uri)
-        problems += found
-    routes = ps.routes if ps is not None else (cfg.world.routes if not cfg.spec else [])
-    current = ps.path.name if ps is not None else ""
-    held_out = ps.eval_sets() if ps is not None else {}
-
-    registry, found = registry_problems(registry)
-    problems += found
-    router, warnings = None, []
-    if registry is not None and routes:
-        from teachers.router import teacher_names
-
-        names = teacher_names(cfg.teachers, ps.spec if ps is not None else None)
-        router, warnings, found = routing_problems(registry, routes, names, fill_newest=not cfg.teachers)
-        problems += found
-    ref_uri = cfg.opd.reference_uri
-    if cfg.opd.reward_scale != 1.0 and ref_uri and not any(p.field == "opd.reference_uri" for p in problems):
-        problems += check_checkpoint(ref_uri, "opd.reference_uri", grant=" (the reference never runs custom code)").problems
-
-    report = Report(student_uri=student_uri, routes=list(routes), warnings=warnings)
-    if router is not None:
-        for route, rec in sorted(router.mapping.items()):
-            report.teachers[route] = rec.name
-        student_fp = cache(lambda: _fingerprint(student.uri))  # read once, and only if a provenance names it
-        for rec in router.teachers():
-            eval_prompts = held_out[rec.route][0] if rec.route in held_out else None
-            problems += teacher_problems(rec, student, str(registry.path), eval_prompts, current, student_fp)
-    return _finish(problems, report, say_warnings)
-
-
-def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
-    """Check what the pipeline reads before it trains anything: the route spec and its prompt set, the registry it
-    will write the specialists into (a bad file would only fail after every specialist trained) and the teacher names it will
-    give them. Raises :class:`InputError` listing every problem."""
-    from teachers.registry import check_name
-
-    ps, problems = spec_problems(cfg, cfg.base_model, cfg.model.max_positions)
-    problems += registry_problems(registry)[1]
-    prefix = cfg.specialists("").name_prefix
-    for route in (ps.routes if ps is not None else []):
-        try:
-            check_name(f"{prefix}-{route}")
-        except ValueError as e:
-            problems.append(Problem(CONFIG, "name_prefix", str(e)))
-    return _finish(problems, Report(routes=ps.routes if ps is not None else []), say_warnings)

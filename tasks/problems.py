@@ -26,6 +26,11 @@ class Problem:
         return f"{self.file}: {self.field}: {self.message}"
 
 
+class UserError(Exception):
+    """A refusal of what the user asked that the command lines print as one line, without a traceback (e.g.
+    :class:`teachers.registry.RegistryError`)."""
+
+
 class InputError(ValueError):
     """Bad input found before any model work; ``problems`` lists every one found, not only the first."""
 

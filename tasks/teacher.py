@@ -32,6 +32,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.engines import ALL_VOCAB, ServedHead, TeacherServer, pack_prompt_logprobs, real_tokens
 from tasks.rollout import Rollout, cap_responses, forward_hidden, generate
+from tasks.routing import TeacherRecord
 
 Kind = Literal["checkpoint", "engine", "endpoint"]
 KINDS: tuple[Kind, ...] = ("checkpoint", "engine", "endpoint")
@@ -122,12 +123,12 @@ class ServedTeacher(CheckpointTeacher):
                             ServedHead(self.vocab_size))
 
 
-def teacher_kind(record, backend: str) -> Kind:
+def teacher_kind(record: TeacherRecord, backend: str) -> Kind:
     """The kind a registered teacher is in a merge whose ``opd.teacher_backend`` is ``backend``: its checkpoint
     (``hf``), else its ``endpoint`` when the record has one, else an in-process engine on its checkpoint."""
     if backend == "hf":
         return "checkpoint"
-    return "endpoint" if getattr(record, "endpoint", "") else "engine"
+    return "endpoint" if record.endpoint else "engine"
 
 
 def make_teachers(kinds: Mapping[str, Kind], models: Mapping[str, PreTrainedModel],

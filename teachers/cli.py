@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from tasks.cli import DEBUG, DEBUG_HELP, missing_path_problems, run_main

@@ -16,7 +16,6 @@ From a shell, ``python -m teachers --help`` (see :mod:`teachers.cli`).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -24,12 +23,14 @@ import tempfile
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tasks.paths import registry_path
+from tasks.problems import UserError
 from tasks.spec import check_route_name
+from tasks.routing import registry_fingerprint  # noqa: F401  (re-exported: the registry's fingerprint)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -39,7 +40,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 ENDPOINT_RE = re.compile(r"^https?://(?P<authority>[^/\s?#]+)(/[^\s]*)?$")
 
 
-class RegistryError(Exception):
+class RegistryError(UserError):
     """The registry file or an operation on it is invalid. A problem in the file carries ``path`` and ``field`` (e.g.
     ``teachers[2].eval_score``) and ``detail`` (what is wrong and what was expected)."""
 
@@ -139,12 +140,6 @@ def check_endpoint(url: str) -> str:
 def route_name(route) -> str:
     """A route's name from a string (checked: ValueError on a malformed one) or anything with a ``name``."""
     return check_route_name(route if isinstance(route, str) else route.name)
-
-
-def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
-    """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags."""
-    payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint] for r in records)
-    return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
 def _endpoint_parity_problems(name, uri, endpoint, tok, tol, trust_remote_code) -> list[str]:

@@ -92,6 +92,13 @@ class Router:
             raise UnmappedRouteError(missing, available)
         return cls(mapping, warnings)
 
+    @classmethod
+    def for_merge(cls, registry: TeacherRegistry, routes: Iterable[str], named: list[str], spec=None) -> Router:
+        """The router of a merge or an evaluation: the config's ``named`` teachers when given (exactly those), else
+        the route spec's ``teacher: NAME`` routes (:func:`teacher_names`) with every other route's newest teacher,
+        else every route's newest teacher."""
+        return cls.from_registry(registry, routes, teacher_names(named, spec), fill_newest=not named)
+
     @property
     def mapping(self) -> dict[str, TeacherRecord]:
         return dict(self._mapping)

@@ -26,7 +26,8 @@ from tasks.cli import parse_config
 from tasks.config import MergeConfig, OPDConfig, PipelineConfig, WorldConfig, pipeline_config
 from tasks.data import MAX_ROW_TOKENS, build_world
 from tasks.models import checkpoint_fingerprint
-from tasks.preflight import InputError, preflight_merge
+from tasks.preflight import InputError
+from teachers.preflight import preflight_merge
 from tasks.tokenizer import SPECIALS, build_char_tokenizer, route_tag_tokens, save_tokenizer
 from tasks.world import CHARSET
 from teachers.registry import Provenance, RegistryError, TeacherRecord, TeacherRegistry

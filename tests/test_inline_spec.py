@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from tasks.config import MergeConfig, pipeline_config
 from tasks.paths import PROJECT_ROOT, models_dir, specs_dir
-from tasks.preflight import InputError, preflight_pipeline, spec_problems
+from tasks.preflight import InputError, spec_problems
+from teachers.preflight import preflight_pipeline
 from tasks.pretrain import spec_path
 from tasks.problems import validation_problems
 from tasks.prompt_set import build_prompt_set, load_prompt_set, spec_digest

@@ -129,6 +129,14 @@ def test_the_import_graph_of_tasks_and_teachers_has_no_cycle():
     assert cycles(edges) == []
 
 
+def test_imports_between_the_packages_point_one_way_teachers_to_tasks():
+    """``teachers/`` (the registry, the router, their preflight and CLI) is built on ``tasks/``; nothing in ``tasks/``
+    imports ``teachers``, deferred imports included: the merge reads teachers through tasks/routing.py's protocols."""
+    up = {m: sorted(t for t in deps if t.startswith("teachers.")) for m, deps in project_imports("tasks").items()}
+    assert {m: d for m, d in up.items() if d} == {}
+    assert any(t.startswith("tasks.") for t in project_imports("teachers")["teachers.registry"])  # it read imports
+
+
 def test_the_cycle_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 

@@ -13,7 +13,8 @@ import yaml
 
 from tasks.config import pipeline_config
 from tasks.paths import PROJECT_ROOT, models_dir
-from tasks.preflight import InputError, preflight_pipeline
+from tasks.preflight import InputError
+from teachers.preflight import preflight_pipeline
 from tasks.prompt_set import build_prompt_set, load_prompt_set, spec_digest
 
 USER_SPEC = PROJECT_ROOT / "tests" / "data" / "user_spec"

@@ -1,0 +1,37 @@
+"""What the merge reads of registered teachers and of their routing, as protocols (the teacher registry,
+:mod:`teachers.registry` and :mod:`teachers.router`, provides them; the merge imports nothing of it), and the
+fingerprint of a set of teachers. Light: no torch, so the registry's command line stays quick."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class TeacherRecord(Protocol):
+    """What the merge reads of a registered teacher (:class:`teachers.registry.TeacherRecord` is one)."""
+
+    name: str
+    route: str
+    model_uri: str
+    tokenizer_fingerprint: str
+    trust_remote_code: bool
+    endpoint: str
+
+
+class Routing(Protocol):
+    """What the merge asks of its router (:class:`teachers.router.Router` is one): route -> teacher."""
+
+    def teacher_for(self, route: str) -> TeacherRecord: ...
+
+    def teachers(self) -> list[TeacherRecord]: ...
+
+    def group(self, routes_per_row: Iterable[str]) -> dict[str, list[int]]: ...
+
+
+def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
+    """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags and the merge's key."""
+    payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint] for r in records)
+    return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]

@@ -1,0 +1,117 @@
+"""The preflight of the flows that read the teacher registry (merge, evaluate, pipeline): the registry file, the
+routing of every route to a teacher and every routed teacher's checkpoint, on top of :mod:`tasks.preflight`'s checks
+of the config, the route spec and the student. Every bad input is refused before any model is loaded, all at once
+(:class:`tasks.problems.InputError`).
+
+    from tasks.config import pipeline_config
+    from teachers.preflight import preflight_merge
+    report = preflight_merge(pipeline_config("quick").merge("", []))   # raises InputError listing every problem
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from tasks.paths import models_dir, registry_path
+from tasks.preflight import (
+    CONFIG,
+    Checkpoint,
+    Problem,
+    Report,
+    checkpoint_fingerprint_of,
+    check_checkpoint,
+    credential_problems,
+    finish,
+    spec_problems,
+    teacher_problems,
+)
+from teachers.registry import RegistryError, TeacherNotFound, TeacherRegistry, check_name
+from teachers.router import Router, RoutingError, UnmappedRouteError
+
+
+def registry_problems(registry=None) -> tuple[Any, list[Problem]]:
+    """The registry (default: :func:`tasks.paths.registry_path`'s), None with the problem that keeps it from being
+    opened or read (file, field, expected)."""
+    try:
+        registry = registry or TeacherRegistry()
+        registry.list()
+    except RegistryError as e:
+        where = e.path or (registry.path if registry is not None else registry_path())
+        return None, [Problem(str(where), e.field or "document", e.detail)]
+    return registry, []
+
+
+def routing_problems(registry, routes: list[str], named: list[str], spec=None):
+    """The router of ``routes`` (:meth:`teachers.router.Router.for_merge`: the ``named`` teachers, else the spec's),
+    None when it cannot be formed; its warnings and the problems."""
+    file = str(registry.path)
+    try:
+        router = Router.for_merge(registry, routes, named, spec)
+    except UnmappedRouteError as e:
+        return None, [], [Problem(file, "routes", f"{e}; expected a registered teacher for every route "
+                                  "(python -m teachers register ..., or train specialists)")]
+    except TeacherNotFound as e:
+        return None, [], [Problem(file, "teachers", f"{e}; expected names of registered teachers")]
+    except RoutingError as e:
+        return None, [], [Problem(file, "teachers", str(e))]
+    return router, list(router.warnings), []
+
+
+def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
+    """Check everything the merge flow will read, before it loads a model: the config's URIs, the prompt sets, the
+    registry and routing, the student and every routed teacher. Raises :class:`InputError` listing every problem."""
+    problems = credential_problems({"student_uri": cfg.student_uri, "opd.reference_uri": cfg.opd.reference_uri})
+    student_uri = cfg.student_uri
+    if not student_uri:
+        marker = models_dir() / "LATEST_BASE"
+        student_uri = marker.read_text().strip() if marker.is_file() else ""
+        if not student_uri:
+            problems.append(Problem(str(marker), "student_uri", "empty, and no base model recorded here; expected a "
+                                    "checkpoint (--student_uri PATH) or a prior `python -m flows.base` run"))
+    student = Checkpoint(student_uri)
+    if student_uri and not any(p.field == "student_uri" for p in problems):  # not a URI carrying credentials
+        student = check_checkpoint(student_uri, "student_uri", grant=" (the student never runs custom code)")
+        problems += student.problems
+    ps = None
+    if not any(p.field == "student_uri" for p in problems):  # the prompts are rendered with the student's tokenizer
+        ps, found = spec_problems(cfg, student_uri)
+        problems += found
+    routes = ps.routes if ps is not None else (cfg.world.routes if not cfg.spec else [])
+    current = ps.path.name if ps is not None else ""
+    held_out = ps.eval_sets() if ps is not None else {}
+
+    registry, found = registry_problems(registry)
+    problems += found
+    router, warnings = None, []
+    if registry is not None and routes:
+        router, warnings, found = routing_problems(registry, routes, cfg.teachers, ps.spec if ps is not None else None)
+        problems += found
+    ref_uri = cfg.opd.reference_uri
+    if cfg.opd.reward_scale != 1.0 and ref_uri and not any(p.field == "opd.reference_uri" for p in problems):
+        problems += check_checkpoint(ref_uri, "opd.reference_uri", grant=" (the reference never runs custom code)").problems
+
+    report = Report(student_uri=student_uri, routes=list(routes), warnings=warnings)
+    if router is not None:
+        for route, rec in sorted(router.mapping.items()):
+            report.teachers[route] = rec.name
+        student_fp = cache(lambda: checkpoint_fingerprint_of(student.uri))  # read once, only if a provenance names it
+        for rec in router.teachers():
+            eval_prompts = held_out[rec.route][0] if rec.route in held_out else None
+            problems += teacher_problems(rec, student, str(registry.path), eval_prompts, current, student_fp)
+    return finish(problems, report, say_warnings)
+
+
+def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
+    """Check what the pipeline reads before it trains anything: the route spec and its prompt set, the registry it
+    will write the specialists into (a bad file would only fail after every specialist trained) and the teacher names it will
+    give them. Raises :class:`InputError` listing every problem."""
+    ps, problems = spec_problems(cfg, cfg.base_model, cfg.model.max_positions)
+    problems += registry_problems(registry)[1]
+    prefix = cfg.specialists("").name_prefix
+    for route in (ps.routes if ps is not None else []):
+        try:
+            check_name(f"{prefix}-{route}")
+        except ValueError as e:
+            problems.append(Problem(CONFIG, "name_prefix", str(e)))
+    return finish(problems, Report(routes=ps.routes if ps is not None else []), say_warnings)
