@@ -46,9 +46,9 @@ benchmark: setup
 # mutates losses, routing and the retention functions in a fresh mutants/ copy, runs their unit tests there, then
 # prints the score per file: killed (+ timeout) / all mutants of these functions. MUTATION_JOBS=N runs N workers.
 MUTATION_JOBS ?= 1
-MUTANTS = "tasks.losses.*" "teachers.router.*" "tasks.evaluate.x_retention__mutmut_*" \
-          "tasks.evaluate.x_pass_at_k__mutmut_*" "tasks.evaluate.x_route_mean__mutmut_*" \
-          "tasks.evaluate.x_mean_retention__mutmut_*" "tasks.merge.x_route_metrics__mutmut_*"
+MUTANTS = "tasks.objectives.losses.*" "teachers.router.*" "tasks.evaluation.evaluate.x_retention__mutmut_*" \
+          "tasks.evaluation.evaluate.x_pass_at_k__mutmut_*" "tasks.evaluation.evaluate.x_route_mean__mutmut_*" \
+          "tasks.evaluation.evaluate.x_mean_retention__mutmut_*" "tasks.merging.merge.x_route_metrics__mutmut_*"
 mutation:
 	@$(PY) -c "import mutmut" 2>/dev/null || $(PIP) install "mutmut==3.8.1"
 	rm -rf mutants && mkdir mutants

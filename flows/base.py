@@ -11,9 +11,9 @@ import sys
 
 from prefect import flow
 
-from tasks.log import say
+from tasks.common.log import say
 from tasks.config import PretrainConfig, pipeline_config
-from tasks.pretrain import given_base, pretrain_base, prompt_set_task
+from tasks.training.pretrain import given_base, pretrain_base, prompt_set_task
 
 
 @flow(name="prepare-base")

@@ -15,12 +15,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import Field
 
 from flows.names import from_parameters, stamp
-from tasks.compare import differing_params, find_runs, grouped_bars, retention_rows, routes_of
+from tasks.evaluation.compare import differing_params, find_runs, grouped_bars, retention_rows, routes_of
 from tasks.config import _Config
-from tasks.log import link, redact, say
+from tasks.common.log import link, redact, say
 from tasks.preflight import InputError, Problem
-from tasks.table import format_table
-from tasks.tracking import end_run, log_figure, log_params, log_table, run_url, start_run, tracking_uri
+from tasks.common.table import format_table
+from tasks.tracking.runs import end_run, log_figure, log_params, log_table, run_url, start_run, tracking_uri
 
 
 class CompareConfig(_Config):

@@ -17,15 +17,15 @@ from pydantic import Field
 
 from flows.names import from_parameters, stamp
 from tasks.config import SpecInput, WorldConfig, _Config, pipeline_config, spec_field
-from tasks.evaluate import evaluate_route, mean_retention, retention
-from tasks.log import link, say
-from tasks.models import load_model
+from tasks.evaluation.evaluate import evaluate_route, mean_retention, retention
+from tasks.common.log import link, say
+from tasks.modeling.models import load_model
 from tasks.preflight import CONFIG, Problem
 from teachers.preflight import registry_problems, routing_problems
-from tasks.pretrain import prompt_set_task
-from tasks.prompt_set import load_prompt_set
-from tasks.tokenizer import load_tokenizer
-from tasks.tracking import CHAMPION, STUDENT_MODEL, config_params, end_run, log_metrics, log_table, run_url, start_run
+from tasks.training.pretrain import prompt_set_task
+from tasks.specs.prompt_set import load_prompt_set
+from tasks.specs.tokenizer import load_tokenizer
+from tasks.tracking.runs import CHAMPION, STUDENT_MODEL, config_params, end_run, log_metrics, log_table, run_url, start_run
 from teachers.registry import TeacherRegistry
 from teachers.router import Router
 
@@ -52,7 +52,7 @@ def resolve_model(uri: str) -> str:
     if uri.startswith("models:/") or uri.startswith("runs:/"):
         import mlflow.artifacts
 
-        from tasks.tracking import tracking_uri
+        from tasks.tracking.runs import tracking_uri
 
         return mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri())
     return uri
@@ -65,8 +65,8 @@ def input_problems(cfg: EvaluateConfig) -> list[Problem]:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tasks.log import redact
-    from tasks.tracking import tracking_uri
+    from tasks.common.log import redact
+    from tasks.tracking.runs import tracking_uri
 
     problems = []
     uri = cfg.model_uri or f"models:/{STUDENT_MODEL}@{CHAMPION}"

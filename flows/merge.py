@@ -17,14 +17,14 @@ from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_table_artifact
 
 from flows.names import current_run_name, from_parameters, merge_name
-from tasks.log import link, say
+from tasks.common.log import link, say
 from tasks.config import MergeConfig, pipeline_config
-from tasks.evaluate import mean_retention
-from tasks.merge import TrackingUnavailable, mark_failed, open_merge_run, run_merge
+from tasks.evaluation.evaluate import mean_retention
+from tasks.merging.merge import TrackingUnavailable, mark_failed, open_merge_run, run_merge
 from teachers.preflight import preflight_merge
-from tasks.pretrain import latest_base, prompt_set_task
-from tasks.prompt_set import load_prompt_set
-from tasks.tracking import format_retention_table, run_url, tracking_uri
+from tasks.training.pretrain import latest_base, prompt_set_task
+from tasks.specs.prompt_set import load_prompt_set
+from tasks.tracking.runs import format_retention_table, run_url, tracking_uri
 from teachers.registry import TeacherRegistry
 from teachers.router import Router
 

@@ -24,7 +24,7 @@ def routes_part(cfg) -> str:
     (its routes are known once the file is read; the name must not read it), ``inline-<sha12>`` for an inline one."""
     from pathlib import Path
 
-    from tasks.spec import inline_name, is_inline
+    from tasks.specs.spec import inline_name, is_inline
 
     if is_inline(cfg.spec):
         return inline_name(cfg.spec)

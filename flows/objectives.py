@@ -20,12 +20,12 @@ from flows.base import prepare_base
 from flows.merge import merge
 from flows.names import current_run_name, from_parameters, stamp
 from flows.specialists import train_specialists
-from tasks.compare import grouped_bars
+from tasks.evaluation.compare import grouped_bars
 from tasks.config import PipelineConfig, _deep_merge, known_names, pipeline_config
-from tasks.evaluate import route_mean
-from tasks.log import say
-from tasks.table import format_table
-from tasks.tracking import config_params, end_run, log_figure, log_table, start_run, tracking_uri
+from tasks.evaluation.evaluate import route_mean
+from tasks.common.log import say
+from tasks.common.table import format_table
+from tasks.tracking.runs import config_params, end_run, log_figure, log_table, start_run, tracking_uri
 
 # name -> overrides of the merge's `opd` settings. Everything else (steps, lr, batch, seed) is shared.
 VARIANTS: dict[str, dict[str, Any]] = {

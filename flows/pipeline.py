@@ -4,7 +4,7 @@ distillation, and print the per-route retention table.
 
 Run:  python -m flows.pipeline                 # default profile: 6 routes, <= 20 min on 2 CPU cores
       python -m flows.pipeline --profile quick # 3 routes, same code path, ~2 min
-      python -m flows.pipeline --spec routes.yaml [--base_model PATH]   # your own routes (tasks/spec.py)
+      python -m flows.pipeline --spec routes.yaml [--base_model PATH]   # your own routes (tasks/specs/spec.py)
       python -m flows.pipeline --opd.steps 400 --world.routes shift-low,shift-high ...  (any config field)
 """
 
@@ -19,11 +19,11 @@ from flows.base import prepare_base
 from flows.merge import merge
 from flows.specialists import train_specialists
 from flows.names import from_parameters, pipeline_name
-from tasks.log import link, say
+from tasks.common.log import link, say
 from tasks.config import PipelineConfig, pipeline_config
 from teachers.preflight import preflight_pipeline
-from tasks.spec import spec_label
-from tasks.tracking import format_retention_table, run_url, tracking_uri
+from tasks.specs.spec import spec_label
+from tasks.tracking.runs import format_retention_table, run_url, tracking_uri
 
 
 @flow(name="pipeline", flow_run_name=from_parameters(PipelineConfig, pipeline_name))

@@ -14,10 +14,10 @@ from prefect import flow
 from pydantic import Field, field_validator, model_validator
 
 from tasks.config import SpecInput, _Config
-from tasks.log import say
-from tasks.paths import world_dir
-from tasks.tracking import publish_teacher, teacher_model_name
-from tasks.spec import check_route_name
+from tasks.common.log import say
+from tasks.common.paths import world_dir
+from tasks.tracking.runs import publish_teacher, teacher_model_name
+from tasks.specs.spec import check_route_name
 from teachers.registry import Provenance, TeacherRegistry
 
 
@@ -45,7 +45,7 @@ class RegisterConfig(_Config):
     @model_validator(mode="after")
     def _in_spec(self) -> "RegisterConfig":
         if self.spec:
-            from tasks.spec import read_spec, spec_label
+            from tasks.specs.spec import read_spec, spec_label
 
             routes = [r.name for r in read_spec(self.spec).routes]  # InputError names the file (or inline spec), field
             if self.route not in routes:

@@ -20,14 +20,14 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.names import from_parameters, specialists_name
-from tasks.log import say
+from tasks.common.log import say
 from tasks.config import SpecialistsConfig, pipeline_config
-from tasks.models import checkpoint_fingerprint
+from tasks.modeling.models import checkpoint_fingerprint
 from tasks.preflight import CONFIG, Problem
-from tasks.pretrain import folder_gone, latest_base, prompt_set_task
-from tasks.prompt_set import load_prompt_set
-from tasks.tracking import publish_teacher, setup_mlflow, teacher_model_name
-from tasks.specialist import SPECIALISTS_EXPERIMENT, train_specialist
+from tasks.training.pretrain import folder_gone, latest_base, prompt_set_task
+from tasks.specs.prompt_set import load_prompt_set
+from tasks.tracking.runs import publish_teacher, setup_mlflow, teacher_model_name
+from tasks.training.specialist import SPECIALISTS_EXPERIMENT, train_specialist
 from teachers.registry import Provenance, TeacherRegistry
 
 

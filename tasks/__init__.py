@@ -2,7 +2,7 @@
 
 Importing this package first sets the environment the project's Prefect, MLflow and torch runs need on a small
 machine, without overriding anything the user already set (see ../shared/notes/runtime-facts.md for why), and keeps
-every record those tools write under the state folder (``tasks.paths.state_env``). Prefect reads its settings when it
+every record those tools write under the state folder (``tasks.common.paths.state_env``). Prefect reads its settings when it
 is imported, so every entry point imports this package before prefect: ``flows/__init__.py`` and
 ``teachers/__init__.py`` do it for their modules.
 """
@@ -12,7 +12,7 @@ import sys as _sys
 import warnings as _warnings
 from pathlib import Path as _Path
 
-from tasks.paths import state_env as _state_env
+from tasks.common.paths import state_env as _state_env
 
 _defaults = {
     **_state_env(_os.environ),

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 # tasks.config is imported where needed: it imports torch, which `python -m teachers list` should not wait for.
-from tasks.problems import CONFIG, InputError, Problem, UserError, validation_problems
+from tasks.common.problems import CONFIG, InputError, Problem, UserError, validation_problems
 
 C = TypeVar("C", bound=BaseModel)
 

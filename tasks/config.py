@@ -5,22 +5,21 @@ smaller world and fewer steps through the same code path.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
-from tasks.losses import Correction, LossName, Objective, TopKSource, TopKSupport
-from tasks.world import BUDGETS, DOMAINS, Route, all_routes, check_route, check_template
+from tasks.objectives.losses import Correction, LossName, Objective, TopKSource, TopKSupport
+from tasks.common.config_base import _Config  # noqa: F401  (re-exported: the flows' configs build on it)
+from tasks.world.config import WorldConfig  # noqa: F401  (re-exported: a flow config's world section)
 
 OffPolicySourceName = Literal["teacher", "dataset"]
 
 Profile = Literal["quick", "default"]
 
 
-SPEC_HELP = ("Route spec (tasks/spec.py): each route's data, rendering, generation caps, verifier and teacher. The "
+SPEC_HELP = ("Route spec (tasks/specs/spec.py): each route's data, rendering, generation caps, verifier and teacher. The "
              "path of a YAML or JSON file, or the spec itself inline (an object with the file's fields: version, "
              "routes, tokenizer; on the command line as JSON text), validated by the same model. An inline spec's "
              "local data paths (and a local tokenizer) must be absolute, as it has no folder to resolve them "
@@ -31,8 +30,8 @@ SPEC_HELP = ("Route spec (tasks/spec.py): each route's data, rendering, generati
 def _spec_input(value: Any) -> Any:
     """A ``spec`` as given: a path stays a path; an inline spec (a mapping, or JSON text of one, as ``--spec '{...}'``
     passes it) is validated here by the route spec's own model, its problems named ``inline spec: routes[<name>]...``
-    (:class:`tasks.problems.InputError`, which :func:`tasks.problems.validation_problems` lists one by one)."""
-    from tasks.spec import inline_mapping, parse_inline
+    (:class:`tasks.common.problems.InputError`, which :func:`tasks.common.problems.validation_problems` lists one by one)."""
+    from tasks.specs.spec import inline_mapping, parse_inline
 
     if isinstance(value, str) and value.lstrip().startswith("{"):
         value = inline_mapping(value)
@@ -54,91 +53,6 @@ WORLD_HELP = "The built-in world, used only when spec is empty: its routes, size
 
 def spec_field():
     return Field("", description=SPEC_HELP)
-
-
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    def config_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
-
-
-class WorldConfig(_Config):
-    """The built-in world: which routes exist and how their prompt sets are generated."""
-
-    routes: list[str] = Field(
-        default_factory=lambda: ["shift-low", "shift-high", "rev-low", "rev-high", "sort-low", "sort-high"],
-        description="Routes to build, each DOMAIN-BUDGET (e.g. rev-high), domain in shift/rev/sort/count, budget "
-        "low/high/long; 'all' = the 12 routes of the built-in world.",
-    )
-    seed: int = Field(0, ge=0, description="Seed of the prompt generator (the prompt sets are deterministic in it).")
-    train_size: int = Field(3000, ge=1, le=1_000_000, description="Training prompts per route.")
-    eval_size: int = Field(200, ge=1, le=100_000, description="Held-out evaluation prompts per route.")
-    # The long routes get longer problems so that their trace is >= 40 characters (sort-long's always is).
-    min_len: dict[str, int] = Field(
-        default_factory=lambda: {"shift": 2, "rev": 2, "sort": 3, "count": 4,
-                                 "shift-long": 5, "rev-long": 5, "count-long": 5},
-        description="Shortest problem per domain (letters for shift, rev and count, digits for sort); an entry for a "
-        "route (e.g. rev-long) overrides its domain's.",
-    )
-    max_len: dict[str, int] = Field(
-        default_factory=lambda: {"shift": 6, "rev": 6, "sort": 10, "count": 8,
-                                 "shift-long": 6, "rev-long": 6, "count-long": 6},
-        description="Longest problem per domain; an entry for a route overrides its domain's.",
-    )
-    prompt_files: dict[str, str] = Field(
-        default_factory=dict,
-        description="Optional route -> JSONL or parquet file with a 'problem' column, used instead of generated prompts.",
-    )
-    budget_templates: dict[str, str] = Field(
-        default_factory=dict,
-        description="Optional budget -> prompt template with {bos} {domain} {budget} {problem}, ending in '='.",
-    )
-
-    @field_validator("routes")
-    @classmethod
-    def _routes(cls, v: list[str]) -> list[str]:
-        if v == ["all"]:
-            v = [r.name for r in all_routes()]
-        if not v:
-            raise ValueError("at least one route is needed")
-        for r in v:
-            check_route(Route.parse(r))
-        if len(set(v)) != len(v):
-            raise ValueError(f"routes repeat: {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _lengths(self) -> "WorldConfig":
-        keys = set(self.min_len) | set(self.max_len)
-        for key in sorted(keys - set(DOMAINS)):
-            try:
-                check_route(Route.parse(key))
-            except ValueError as e:
-                raise ValueError(
-                    f"min_len/max_len key {key!r} is neither a domain {sorted(DOMAINS)} nor a route: {e}") from None
-        for name in sorted(keys | set(self.routes)):
-            lo, hi = self.lengths(name)
-            if lo is None or hi is None:
-                raise ValueError(f"min_len and max_len need an entry for {name!r} (or its domain)")
-            if not 1 <= lo <= hi <= 40:
-                raise ValueError(f"{name!r}: need 1 <= min_len ({lo}) <= max_len ({hi}) <= 40")
-        for r in self.prompt_files:
-            if r not in self.routes:
-                raise ValueError(f"prompt_files names route {r!r}, which is not in routes {self.routes}")
-        for budget, template in self.budget_templates.items():
-            if budget not in BUDGETS:
-                raise ValueError(f"budget_templates names budget {budget!r}; known: {list(BUDGETS)}")
-            check_template(template)
-        return self
-
-    def route_objs(self) -> list[Route]:
-        return [Route.parse(r) for r in self.routes]
-
-    def lengths(self, name: str) -> tuple[int | None, int | None]:
-        """(min_len, max_len) of a route (``rev-long``: its own entries, else its domain's) or of a domain."""
-        domain = name.split("-", 1)[0]
-        return self.min_len.get(name, self.min_len.get(domain)), self.max_len.get(name, self.max_len.get(domain))
 
 
 class ModelConfig(_Config):
@@ -171,7 +85,7 @@ class TrainConfig(_Config):
 
 
 class RLConfig(_Config):
-    """Outcome-reward RL (GRPO, tasks/rl.py): a group of samples per prompt, the route's verifier as the reward,
+    """Outcome-reward RL (GRPO, tasks/training/rl.py): a group of samples per prompt, the route's verifier as the reward,
     group-normalised advantages, a clipped policy-gradient step."""
 
     steps: int = Field(200, ge=1, le=1_000_000, description="Optimizer steps (one rollout batch each).")
@@ -204,7 +118,7 @@ class OPDConfig(_Config):
     batch_size: int = Field(64, ge=1, le=4096, description="Prompts per batch, mixed uniformly over routes.")
     lr: float = Field(5e-4, gt=0, le=1.0, description="AdamW peak learning rate of the student (warmup, cosine decay).")
     warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
-    loss: LossName = Field("reverse_kl", description="Objective of every route (see tasks/losses.py).")
+    loss: LossName = Field("reverse_kl", description="Objective of every route (see tasks/objectives/losses.py).")
     route_loss: dict[str, LossName] = Field(default_factory=dict, description="Per-route objective overrides.")
     beta: float = Field(0.5, ge=0, le=1, description="jsd: mixture weight of the teacher (0 = forward KL, 1 = reverse KL).")
     alpha: float = Field(0.1, ge=0, le=1, description="skew_kl / skew_reverse_kl: skew mixing weight (DistiLLM).")
@@ -286,7 +200,7 @@ class OPDConfig(_Config):
     )
     checkpoint_every: int = Field(
         50, ge=0, le=1_000_000, description="Checkpoint the merge every N steps (at the next batch boundary) so that "
-        "the same command resumes it after a kill; 0 = never (see tasks/checkpoint.py)."
+        "the same command resumes it after a kill; 0 = never (see tasks/training/checkpoint.py)."
     )
     resume: bool = Field(
         True, description="Resume this merge (same config, student, teachers and MLflow store) from its last "

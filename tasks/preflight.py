@@ -13,7 +13,7 @@ configs, safetensors headers (``safe_open``), tokenizers and prompt sets; no wei
 What is checked, and the rule behind each:
 
 * config: pydantic ranges at construction (``--opd.lr -1`` never gets here); no URI with credentials in it.
-* prompts: every ``world.prompt_files`` file parses row by row (:func:`tasks.data.load_prompt_file`, line numbers),
+* prompts: every ``world.prompt_files`` file parses row by row (:func:`tasks.world.data.load_prompt_file`, line numbers),
   every route's train/eval split can be drawn, and eval never overlaps train.
 * registry: the file reads (JSON, schema, unique names); every route has a teacher; named teachers exist.
 * checkpoints (student and every routed teacher): the folder exists, ``config.json`` loads and is a causal LM, it asks
@@ -37,7 +37,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tasks.problems import CONFIG, InputError, Problem  # noqa: F401  (re-exported: the checks' vocabulary)
+from tasks.common.problems import CONFIG, InputError, Problem  # noqa: F401  (re-exported: the checks' vocabulary)
 
 # The architecture a fine-tune keeps from its base (transformers config attributes; gpt2-style names are aliased).
 ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -67,7 +67,7 @@ def _first_line(e: BaseException) -> str:
 def credential_problems(values: dict[str, str]) -> list[Problem]:
     """Config fields (``{"student_uri": ...}``) must not carry ``user:password@`` or token query parameters: flow
     parameters are stored by Prefect and logged to MLflow."""
-    from tasks.log import redact
+    from tasks.common.log import redact
 
     return [
         Problem(CONFIG, name, f"{redact(value)!r} carries credentials; expected a URI without them (pass secrets "
@@ -93,7 +93,7 @@ def split_overlap_problems(train: dict[str, list[str]], eval_: dict[str, list[st
 def world_problems(world) -> tuple[dict[str, tuple[list[str], list[str]]], list[Problem]]:
     """Draw every route's (train, eval) problems as build_world will (prompt files checked row by row); returns the
     splits of the routes that could be drawn and the problems."""
-    from tasks.data import route_splits
+    from tasks.world.data import route_splits
 
     splits: dict[str, tuple[list[str], list[str]]] = {}
     problems: list[Problem] = []
@@ -113,12 +113,12 @@ def world_problems(world) -> tuple[dict[str, tuple[list[str], list[str]]], list[
 def spec_problems(cfg, tokenizer: str = "", context: int = 128):
     """The prompt set a flow with ``cfg.spec`` / ``cfg.world`` will read, built here (cached) with ``tokenizer`` (the
     folder of the model that reads it), and the problems that keep it from being built: for the built-in world its
-    prompt files and splits, for a user's spec everything :func:`tasks.prompt_set.build_prompt_set` checks (file,
+    prompt files and splits, for a user's spec everything :func:`tasks.specs.prompt_set.build_prompt_set` checks (file,
     fields, columns, splits, verifiers, template, lengths). Returns (PromptSet or None, problems)."""
-    from tasks.prompt_set import build_prompt_set, load_prompt_set
-    from tasks.spec import as_inline, is_inline, spec_label
+    from tasks.specs.prompt_set import build_prompt_set, load_prompt_set
+    from tasks.specs.spec import as_inline, is_inline, spec_label
 
-    from tasks.pretrain import spec_path
+    from tasks.training.pretrain import spec_path
 
     if not cfg.spec:
         _, problems = world_problems(cfg.world)
@@ -197,7 +197,7 @@ def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
     for custom code (how it could be allowed, if at all)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
-    from tasks.tokenizer import load_tokenizer
+    from tasks.specs.tokenizer import load_tokenizer
 
     ck = Checkpoint(uri)
     config_file = uri
@@ -249,8 +249,8 @@ def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
 
 
 def tokenizer_problems(student, teacher, teacher_uri: str, field_name: str) -> list[Problem]:
-    """The teacher must score the student's exact tokens (:func:`tasks.tokenizer.compatibility_problems`)."""
-    from tasks.tokenizer import compatibility_problems
+    """The teacher must score the student's exact tokens (:func:`tasks.specs.tokenizer.compatibility_problems`)."""
+    from tasks.specs.tokenizer import compatibility_problems
 
     return [Problem(teacher_uri, f"{field_name} (tokenizer)", f"{p}; expected the student's tokenizer")
             for p in compatibility_problems(student, teacher)]
@@ -289,8 +289,8 @@ def architecture_problems(rec, teacher_config, student: Checkpoint, student_fing
 def leakage_problems(rec, eval_prompts: list[str], current: str, field_name: str) -> list[Problem]:
     """A teacher trained on another prompt set of this project (``provenance.data``, a folder name) must not have
     seen this merge's held-out prompts of its route."""
-    from tasks.paths import prompt_sets_dir
-    from tasks.prompt_set import PROMPT_SET_NAME_RE, load_prompt_set
+    from tasks.common.paths import prompt_sets_dir
+    from tasks.specs.prompt_set import PROMPT_SET_NAME_RE, load_prompt_set
 
     data = rec.provenance.data
     if not data or not PROMPT_SET_NAME_RE.match(data) or data == current:
@@ -310,7 +310,7 @@ def leakage_problems(rec, eval_prompts: list[str], current: str, field_name: str
 
 
 def checkpoint_fingerprint_of(uri: str) -> str | None:
-    from tasks.models import checkpoint_fingerprint
+    from tasks.modeling.models import checkpoint_fingerprint
 
     try:
         return checkpoint_fingerprint(uri)
@@ -321,7 +321,7 @@ def checkpoint_fingerprint_of(uri: str) -> str | None:
 def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts: list[str] | None,
                      current: str, student_fingerprint: Callable[[], str | None] | None = None) -> list[Problem]:
     """Every check of one routed teacher against the student (``student_fingerprint``: computed on first need)."""
-    from tasks.tokenizer import tokenizer_fingerprint
+    from tasks.specs.tokenizer import tokenizer_fingerprint
 
     name = f"teacher {rec.name!r}"
     grant = f", or trust_remote_code: true granted in its registry entry ({registry_file})"
@@ -350,7 +350,7 @@ def finish(problems: list[Problem], report: Report, say_warnings: bool) -> Repor
     if problems:
         raise InputError(problems)
     if say_warnings:
-        from tasks.log import say
+        from tasks.common.log import say
 
         for w in report.warnings:
             say(f"warning: {w}")

@@ -20,10 +20,10 @@ import json
 from pathlib import Path
 
 from tasks.cli import DEBUG, DEBUG_HELP, missing_path_problems, run_main
-from tasks.paths import world_dir
+from tasks.common.paths import world_dir
 from tasks.preflight import CONFIG, InputError, Problem
 from teachers.registry import Provenance, TeacherRegistry
-from tasks.table import format_table
+from tasks.common.table import format_table
 
 COMMAND_LINE = "command line"  # the ``file`` of a problem in this CLI's flags
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"registered {record.name} (route {record.route}, tokenizer {record.tokenizer_fingerprint}) "
               f"in {registry.path}")
         if not args.no_mlflow:
-            from tasks.tracking import publish_teacher, redact, teacher_model_name, tracking_uri
+            from tasks.tracking.runs import publish_teacher, redact, teacher_model_name, tracking_uri
 
             version = publish_teacher(record)
             print(f"MLflow model {teacher_model_name(record.route)} version {version} (@active) in "

@@ -1,7 +1,7 @@
 """The preflight of the flows that read the teacher registry (merge, evaluate, pipeline): the registry file, the
 routing of every route to a teacher and every routed teacher's checkpoint, on top of :mod:`tasks.preflight`'s checks
 of the config, the route spec and the student. Every bad input is refused before any model is loaded, all at once
-(:class:`tasks.problems.InputError`).
+(:class:`tasks.common.problems.InputError`).
 
     from tasks.config import pipeline_config
     from teachers.preflight import preflight_merge
@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from tasks.paths import models_dir, registry_path
+from tasks.common.paths import models_dir, registry_path
 from tasks.preflight import (
     CONFIG,
     Checkpoint,
@@ -26,12 +26,13 @@ from tasks.preflight import (
     spec_problems,
     teacher_problems,
 )
+from tasks.specs.spec import unapplied_generate_settings
 from teachers.registry import RegistryError, TeacherNotFound, TeacherRegistry, check_name
 from teachers.router import Router, RoutingError, UnmappedRouteError
 
 
 def registry_problems(registry=None) -> tuple[Any, list[Problem]]:
-    """The registry (default: :func:`tasks.paths.registry_path`'s), None with the problem that keeps it from being
+    """The registry (default: :func:`tasks.common.paths.registry_path`'s), None with the problem that keeps it from being
     opened or read (file, field, expected)."""
     try:
         registry = registry or TeacherRegistry()
@@ -91,7 +92,8 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     if cfg.opd.reward_scale != 1.0 and ref_uri and not any(p.field == "opd.reference_uri" for p in problems):
         problems += check_checkpoint(ref_uri, "opd.reference_uri", grant=" (the reference never runs custom code)").problems
 
-    report = Report(student_uri=student_uri, routes=list(routes), warnings=warnings)
+    report = Report(student_uri=student_uri, routes=list(routes),
+                    warnings=warnings + (unapplied_generate_settings(ps.spec) if ps is not None else []))
     if router is not None:
         for route, rec in sorted(router.mapping.items()):
             report.teachers[route] = rec.name
@@ -114,4 +116,6 @@ def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
             check_name(f"{prefix}-{route}")
         except ValueError as e:
             problems.append(Problem(CONFIG, "name_prefix", str(e)))
-    return finish(problems, Report(routes=ps.routes if ps is not None else []), say_warnings)
+    report = Report(routes=ps.routes if ps is not None else [],
+                    warnings=unapplied_generate_settings(ps.spec) if ps is not None else [])
+    return finish(problems, report, say_warnings)

@@ -1,7 +1,7 @@
 """The teacher registry: a JSON file of frozen teacher records, not a plugin system.
 
 A teacher is one entry: name, route, checkpoint URI, tokenizer fingerprint, eval score and provenance. The file is
-``{"version": 1, "teachers": [...]}`` at :func:`tasks.paths.registry_path` (``$OPD_REGISTRY`` overrides); a missing
+``{"version": 1, "teachers": [...]}`` at :func:`tasks.common.paths.registry_path` (``$OPD_REGISTRY`` overrides); a missing
 file is an empty registry. Several processes may register at once: every read-modify-write holds an exclusive
 ``flock`` on ``<file>.lock`` and replaces the file atomically.
 
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tasks.paths import registry_path
-from tasks.problems import UserError
-from tasks.spec import check_route_name
-from tasks.routing import registry_fingerprint  # noqa: F401  (re-exported: the registry's fingerprint)
+from tasks.common.paths import registry_path
+from tasks.common.problems import UserError
+from tasks.specs.spec import check_route_name
+from tasks.modeling.routing import registry_fingerprint  # noqa: F401  (re-exported: the registry's fingerprint)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -144,8 +144,8 @@ def route_name(route) -> str:
 
 def _endpoint_parity_problems(name, uri, endpoint, tok, tol, trust_remote_code) -> list[str]:
     """Ask the server to score a few fixed sequences and compare with the checkpoint's own forward."""
-    from tasks.engines import EndpointTeacher, check_parity, logprob_parity, parity_sequences
-    from tasks.models import load_model
+    from tasks.modeling.engines import EndpointTeacher, check_parity, logprob_parity, parity_sequences
+    from tasks.modeling.models import load_model
 
     try:
         served = EndpointTeacher(name, endpoint)
@@ -167,7 +167,7 @@ def _validation_parts(err: ValidationError, where: str) -> tuple[str, str]:
 
 
 class TeacherRegistry:
-    """The registry file at ``path`` (default :func:`tasks.paths.registry_path`), a ``.json`` file. It writes that file,
+    """The registry file at ``path`` (default :func:`tasks.common.paths.registry_path`), a ``.json`` file. It writes that file,
     ``<file>.lock`` and a temp file beside it, nothing else: teacher names are slugs (:func:`check_name`) and routes
     are parsed, so no name in it ever becomes a path."""
 
@@ -247,7 +247,7 @@ class TeacherRegistry:
         # Imported here so that list/show/remove (and the CLI) do not pay for importing transformers.
         from transformers import AutoConfig
 
-        from tasks.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
+        from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
 
         uri = str(model_uri)
         local = Path(uri).expanduser()

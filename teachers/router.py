@@ -14,7 +14,7 @@ from typing import Any
 
 
 from teachers.registry import TeacherRecord, TeacherRegistry, route_name
-from tasks.table import format_table
+from tasks.common.table import format_table
 
 
 def teacher_names(named: list[str], spec=None) -> list[str] | None:

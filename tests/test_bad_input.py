@@ -24,12 +24,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from tasks.cli import parse_config
 from tasks.config import MergeConfig, OPDConfig, PipelineConfig, WorldConfig, pipeline_config
-from tasks.data import MAX_ROW_TOKENS, build_world
-from tasks.models import checkpoint_fingerprint
+from tasks.world.data import MAX_ROW_TOKENS, build_world
+from tasks.modeling.models import checkpoint_fingerprint
 from tasks.preflight import InputError
 from teachers.preflight import preflight_merge
-from tasks.tokenizer import SPECIALS, build_char_tokenizer, route_tag_tokens, save_tokenizer
-from tasks.world import CHARSET
+from tasks.specs.tokenizer import SPECIALS, save_tokenizer
+from tasks.world.tokenizer import build_char_tokenizer, route_tag_tokens
+from tasks.world.domains import CHARSET
 from teachers.registry import Provenance, RegistryError, TeacherRecord, TeacherRegistry
 from tests.test_registry import make_checkpoint
 
@@ -215,7 +216,7 @@ def _other_architecture(p: Project):
     # A teacher whose registry entry says it was fine-tuned from the student, but a wider model sits at model_uri.
     shutil.rmtree(p.teachers["sort-low"])
     tok = p.tok
-    from tasks.models import create_model, save_model
+    from tasks.modeling.models import create_model, save_model
 
     save_model(create_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, max_positions=32),
                tok, p.teachers["sort-low"])
@@ -280,8 +281,8 @@ def _parquet_without_problem(p: Project):
 def world_prompt_set(world: WorldConfig, tokenizer: str) -> Path:
     """The prompt set the flows build for the built-in ``world`` rendered with ``tokenizer`` (what a specialist's
     registry provenance.data names)."""
-    from tasks.prompt_set import build_prompt_set
-    from tasks.world_spec import write_world_spec
+    from tasks.specs.prompt_set import build_prompt_set
+    from tasks.world.spec import write_world_spec
 
     return build_prompt_set(write_world_spec(world, build_world(world)), tokenizer)
 

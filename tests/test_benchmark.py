@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tasks.benchmark import (
+from tasks.bench.curves import (
     Curve,
     Point,
     curve_records,

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.tracking import tracking_uri
+from tasks.tracking.runs import tracking_uri
 
 pytestmark = pytest.mark.e2e
 
 
 def specialist_runs(route: str) -> int:
-    from tasks.specialist import SPECIALISTS_EXPERIMENT
+    from tasks.training.specialist import SPECIALISTS_EXPERIMENT
 
     client = MlflowClient(tracking_uri())
     exp = client.get_experiment_by_name(SPECIALISTS_EXPERIMENT)

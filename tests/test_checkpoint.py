@@ -1,4 +1,4 @@
-"""Unit tier for the merge checkpoints (tasks/checkpoint.py) and the test-only fault injection (tests/faults): what
+"""Unit tier for the merge checkpoints (tasks/training/checkpoint.py) and the test-only fault injection (tests/faults): what
 a write interrupted at any point leaves, what is read back, what makes two merges "the same command"; the fault rules
 and where their points sit in the production code."""
 
@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from tasks.checkpoint import KEEP, MergeCheckpoints, batch_from_state, batch_state, merge_key
+from tasks.training.checkpoint import KEEP, MergeCheckpoints, batch_from_state, batch_state, merge_key
 from tasks.config import pipeline_config
-from tasks.distill import Batch
-from tasks.losses import TokenInputs
-from tasks.rollout import Rollout
+from tasks.training.distill import Batch
+from tasks.objectives.losses import TokenInputs
+from tasks.modeling.rollout import Rollout
 from tests.faults import InjectedFault, fault, missing_anchors
 
 
@@ -140,13 +140,13 @@ def test_the_generate_loss_and_update_points_sit_inside_one_step(monkeypatch):
     """On tiny real models: ``generate`` fires per sampled batch; ``loss`` once per update (here two objectives, so
     two objective calls a step) and its NaN is a real one, through the backward pass (NaN gradient norm, step
     skipped); ``update`` fires with the gradients computed and no optimizer step taken."""
-    from tasks.distill import sample_batch, update_step
-    from tasks.losses import Objective
-    from tasks.models import create_model
-    from tasks.rollout import forward_hidden
-    from tasks.tokenizer import build_char_tokenizer
-    from tasks.world import Route, domain_of, format_prompt
-    from tasks.world_spec import world_verifiers
+    from tasks.training.distill import sample_batch, update_step
+    from tasks.objectives.losses import Objective
+    from tasks.modeling.models import create_model
+    from tasks.modeling.rollout import forward_hidden
+    from tasks.world.tokenizer import build_char_tokenizer
+    from tasks.world.domains import Route, domain_of, format_prompt
+    from tasks.world.spec import world_verifiers
 
     tok = build_char_tokenizer()
     student, teacher = (create_model(tok, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=s)

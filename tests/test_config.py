@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from tasks.cli import parse_config
 from tasks.config import MergeConfig, OPDConfig, WorldConfig, flatten, pipeline_config
-from tasks.tracking import config_params
+from tasks.tracking.runs import config_params
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import yaml
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 
-from tasks.paths import PROJECT_ROOT
+from tasks.common.paths import PROJECT_ROOT
 
 YAML = PROJECT_ROOT / "infra" / "prefect.yaml"
 

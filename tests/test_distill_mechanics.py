@@ -4,7 +4,7 @@ the compliance gate, per-route weights and objectives, verifier advantages, and 
 import pytest
 import torch
 
-from tasks.distill import (
+from tasks.training.distill import (
     BatchProducer,
     OffPolicyData,
     PromptSampler,
@@ -13,10 +13,10 @@ from tasks.distill import (
     sequence_advantages,
     update_step,
 )
-from tasks.evaluate import compliance_gate
-from tasks.losses import Objective, chunked_objective
-from tasks.models import create_model
-from tasks.rollout import (
+from tasks.evaluation.evaluate import compliance_gate
+from tasks.objectives.losses import Objective, chunked_objective
+from tasks.modeling.models import create_model
+from tasks.modeling.rollout import (
     cap_responses,
     forward_hidden,
     generate,
@@ -25,10 +25,10 @@ from tasks.rollout import (
     rollout_from_responses,
     token_logprobs,
 )
-from tasks.teacher import checkpoint_teachers
-from tasks.tokenizer import build_char_tokenizer
-from tasks.world import Route, domain_of, format_ok, format_prompt, gold_completion
-from tasks.world_spec import world_verifiers
+from tasks.modeling.teacher import checkpoint_teachers
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.world.domains import Route, domain_of, format_ok, format_prompt, gold_completion
+from tasks.world.spec import world_verifiers
 
 ROUTES = ["shift-low", "rev-high", "sort-low"]
 PROBLEMS = {"shift-low": ["1:ab", "2:xyz", "3:abc"], "rev-high": ["abcd", "qwe", "zz"], "sort-low": ["5203", "91", "777"]}
@@ -200,7 +200,7 @@ def test_gate_passes_a_student_that_samples_well_formed_answers(tok, monkeypatch
     """The gate itself, on a "student" whose samples are fixed: the gold completions, ended by EOS, pass; the same
     answers without the high budget's scratchpad fail that route alone. Only the sampling is replaced (the gate's
     counting and threshold run for real)."""
-    import tasks.evaluate
+    import tasks.evaluation.evaluate
 
     gold = gold_map()
 
@@ -213,11 +213,11 @@ def test_gate_passes_a_student_that_samples_well_formed_answers(tok, monkeypatch
 
     prompts = {r: train_sets()[r][0] for r in ROUTES}
     caps = {r: 16 for r in ROUTES}
-    monkeypatch.setattr(tasks.evaluate, "generate", samples(set()))
+    monkeypatch.setattr(tasks.evaluation.evaluate, "generate", samples(set()))
     res = compliance_gate(tiny(tok, 5), tok, prompts, caps, threshold=0.5, well_formed=well_formed)
     assert res.passed and res.failing == [], res.describe()
     assert res.eos_rate == {r: 1.0 for r in ROUTES} and res.format_rate == {r: 1.0 for r in ROUTES}
-    monkeypatch.setattr(tasks.evaluate, "generate", samples(set(prompts["rev-high"])))
+    monkeypatch.setattr(tasks.evaluation.evaluate, "generate", samples(set(prompts["rev-high"])))
     res = compliance_gate(tiny(tok, 5), tok, prompts, caps, threshold=0.5, well_formed=well_formed)
     assert not res.passed and res.failing == ["rev-high"], res.describe()
     assert res.eos_rate["rev-high"] == 1.0 and res.format_rate["rev-high"] == 0.0
@@ -330,7 +330,7 @@ def test_overlapped_batches_come_from_the_producers_own_generator(tok):
 
 
 def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
-    from tasks.teacher_pool import TeacherPool
+    from tasks.modeling.teacher_pool import TeacherPool
 
     built = {f"t{i}": tiny(tok, 20 + i) for i in range(4)}
     loaded = []
@@ -362,7 +362,7 @@ def test_teacher_pool_loads_lazily_evicts_least_recent_and_scores_the_same(tok):
 
 
 def test_repetition_rate_counts_repeated_trigrams():
-    from tasks.distill import repetition_rate
+    from tasks.training.distill import repetition_rate
 
     assert repetition_rate([1, 2, 3, 4, 5]) == 0.0
     assert repetition_rate([7, 7, 7, 7, 7, 7]) == pytest.approx(1 - 1 / 4)  # 4 trigrams, all (7, 7, 7)
@@ -373,7 +373,7 @@ def test_repetition_rate_counts_repeated_trigrams():
 def test_pass_at_k_matches_the_combinatorial_definition():
     from math import comb
 
-    from tasks.evaluate import pass_at_k
+    from tasks.evaluation.evaluate import pass_at_k
 
     for n, c, k in [(10, 0, 1), (10, 3, 1), (10, 3, 4), (8, 8, 8), (5, 1, 5), (20, 7, 5)]:
         assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
@@ -385,7 +385,7 @@ def test_pass_at_k_matches_the_combinatorial_definition():
 def test_extrapolated_scores_target_the_teacher_at_scale_one_and_past_it_beyond(tok):
     """ExOPD on real models: with the reference's hidden states appended, the teacher head at scale 1 gives the
     teacher's log-probs, at scale 2 ``2 log p_T - log p_ref`` renormalised; the reference is scored once."""
-    from tasks.distill import extrapolate_scores
+    from tasks.training.distill import extrapolate_scores
 
     teacher, reference = tiny(tok, 1), tiny(tok, 2)
     prompts = [format_prompt(Route.parse("rev-high"), p) for p in PROBLEMS["rev-high"]]

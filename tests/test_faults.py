@@ -13,8 +13,8 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tasks.checkpoint import checkpoints_dir
-from tasks.tracking import tracking_uri
+from tasks.training.checkpoint import checkpoints_dir
+from tasks.tracking.runs import tracking_uri
 from tests.faults import InjectedFault
 
 pytestmark = pytest.mark.e2e
@@ -52,15 +52,15 @@ def history(run_id: str, key: str) -> list[tuple[int, float]]:
 
 def count_updates(monkeypatch) -> list[int]:
     """Count the merge's optimizer updates in this process (the real update runs; one entry per call)."""
-    import tasks.merge
+    import tasks.merging.merge
 
-    calls, real = [], tasks.merge.update_step
+    calls, real = [], tasks.merging.merge.update_step
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tasks.merge, "update_step", counting)
+    monkeypatch.setattr(tasks.merging.merge, "update_step", counting)
     return calls
 
 
@@ -85,7 +85,7 @@ def checkpoint_folder(run_id: str) -> Path:
 def test_non_finite_steps_are_skipped_counted_then_stop_the_merge_with_its_last_checkpoint_intact(
         short_pipeline, monkeypatch):
     from flows.merge import merge
-    from tasks.merge import TooManyBadSteps
+    from tasks.merging.merge import TooManyBadSteps
 
     mcfg = tiny_merge(short_pipeline, "nan", max_bad_steps=2)
     monkeypatch.setenv("OPD_FAULT", "loss:3-=nan")  # every loss from the 3rd step on is NaN, through backward

@@ -7,7 +7,7 @@ import re
 import mlflow
 import yaml
 
-from tasks.paths import PROJECT_ROOT
+from tasks.common.paths import PROJECT_ROOT
 
 SCALE = PROJECT_ROOT / "infra" / "scale"
 

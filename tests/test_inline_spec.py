@@ -11,13 +11,13 @@ import yaml
 from pydantic import ValidationError
 
 from tasks.config import MergeConfig, pipeline_config
-from tasks.paths import PROJECT_ROOT, models_dir, specs_dir
+from tasks.common.paths import PROJECT_ROOT, models_dir, specs_dir
 from tasks.preflight import InputError, spec_problems
 from teachers.preflight import preflight_pipeline
-from tasks.pretrain import spec_path
-from tasks.problems import validation_problems
-from tasks.prompt_set import build_prompt_set, load_prompt_set, spec_digest
-from tasks.spec import INLINE, inline_name, load_spec
+from tasks.training.pretrain import spec_path
+from tasks.common.problems import validation_problems
+from tasks.specs.prompt_set import build_prompt_set, load_prompt_set, spec_digest
+from tasks.specs.spec import INLINE, inline_name, load_spec
 
 USER_SPEC = PROJECT_ROOT / "tests" / "data" / "user_spec"
 
@@ -63,7 +63,7 @@ def test_an_inline_spec_builds_the_same_prompt_set_as_its_file(checks_importable
     # MLflow: the spec artifact and its hash are the written file's; the config param is its path, not the mapping.
     assert (ps.path / "spec.yaml").read_text() == path.read_text()
     assert ps.spec_sha256 == spec_digest(path.read_text())
-    from tasks.tracking import config_params
+    from tasks.tracking.runs import config_params
 
     assert config_params(cfg.merge("", []))["spec"] == str(path)
     from flows.names import pipeline_name

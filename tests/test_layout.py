@@ -88,18 +88,25 @@ def test_deployments_point_at_user_flows_or_benchmarks_by_module_path():
 
 
 def project_imports(package: str) -> dict[str, set[str]]:
-    """``{"tasks.merge": {"tasks.distill", "teachers.router", ...}}``: every import of a project module by each module
-    of ``package``, at module level or deferred inside a function (a deferred import that closes a cycle is a cycle
-    still, only one that fails later)."""
+    """``{"tasks.merging.merge": {"tasks.training.distill", ...}}``: every import of a project module by each module of
+    ``package`` (its subpackages included), at module level or deferred inside a function (a deferred import that
+    closes a cycle is a cycle still, only one that fails later)."""
     edges: dict[str, set[str]] = {}
-    for f in sorted((ROOT / package).glob("*.py")):
-        name = f"{package}.{f.stem}"
+    for f in sorted((ROOT / package).rglob("*.py")):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         found = edges.setdefault(name, set())
         for node in ast.walk(ast.parse(f.read_text())):
             targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
             found |= {t for t in targets if t.split(".")[0] in ("tasks", "teachers") and "." in t}
     return edges
+
+
+def group_of(module: str) -> str:
+    """The concern a module of tasks/ belongs to: its subpackage (``tasks.training``), or itself when it sits
+    directly in tasks/ (``tasks.config``, ``tasks.cli``, ``tasks.preflight``)."""
+    return ".".join(module.split(".")[:2])
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -125,13 +132,32 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_of_tasks_and_teachers_has_no_cycle():
     edges = {**project_imports("tasks"), **project_imports("teachers")}
-    assert len(edges) > 40 and "tasks.spec" in edges["tasks.prompt_set"]  # it read the tree
+    assert len(edges) > 40 and "tasks.specs.spec" in edges["tasks.specs.prompt_set"]  # it read the tree
     assert cycles(edges) == []
+
+
+# The concerns of tasks/, bottom to top: each imports only those before it (tasks.config, tasks.cli and
+# tasks.preflight sit directly in tasks/, each its own place in the order).
+LAYERS = ["tasks.common", "tasks.objectives", "tasks.specs", "tasks.world", "tasks.modeling", "tasks.config",
+          "tasks.cli", "tasks.tracking", "tasks.evaluation", "tasks.training", "tasks.merging", "tasks.preflight",
+          "tasks.bench"]
+
+
+def test_the_concerns_of_tasks_import_one_way_bottom_to_top():
+    """tasks/ is grouped by concern; a module imports only its own group and the groups below it, deferred imports
+    included, so the tree reads as the architecture (LAYERS, bottom first)."""
+    edges = project_imports("tasks")
+    groups = {group_of(m) for m in edges} - {"tasks"}
+    assert groups == set(LAYERS), f"a group not in LAYERS, or one gone: {sorted(groups ^ set(LAYERS))}"
+    rank = {g: i for i, g in enumerate(LAYERS)}
+    upward = sorted(f"{m} -> {t}" for m, deps in edges.items() if group_of(m) in rank
+                    for t in deps if t.startswith("tasks.") and rank.get(group_of(t), -1) > rank[group_of(m)])
+    assert upward == [], "imports pointing up the layers: " + "; ".join(upward)
 
 
 def test_imports_between_the_packages_point_one_way_teachers_to_tasks():
     """``teachers/`` (the registry, the router, their preflight and CLI) is built on ``tasks/``; nothing in ``tasks/``
-    imports ``teachers``, deferred imports included: the merge reads teachers through tasks/routing.py's protocols."""
+    imports ``teachers``, deferred imports included: the merge reads teachers through tasks/modeling/routing.py's protocols."""
     up = {m: sorted(t for t in deps if t.startswith("teachers.")) for m, deps in project_imports("tasks").items()}
     assert {m: d for m, d in up.items() if d} == {}
     assert any(t.startswith("tasks.") for t in project_imports("teachers")["teachers.registry"])  # it read imports
@@ -142,10 +168,10 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 def test_the_refusals_vocabulary_sits_at_the_bottom_of_the_tree():
-    """Specs, prompt sets, the preflight and the CLI all speak tasks/problems.py; it imports nothing of theirs."""
+    """Specs, prompt sets, the preflight and the CLI all speak tasks/common/problems.py; it imports nothing of theirs."""
     edges = project_imports("tasks")
-    assert edges["tasks.problems"] == set()
-    assert "tasks.problems" in edges["tasks.spec"] and "tasks.preflight" not in edges["tasks.spec"]
+    assert edges["tasks.common.problems"] == set()
+    assert "tasks.common.problems" in edges["tasks.specs.spec"] and "tasks.preflight" not in edges["tasks.specs.spec"]
 
 
 # ------------------------------------------------------------------------------------- test-only fault injection

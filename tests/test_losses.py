@@ -1,4 +1,4 @@
-"""The objective menu of ``tasks.losses``: every divergence, top-k form, policy-gradient correction and the chunked
+"""The objective menu of ``tasks.objectives.losses``: every divergence, top-k form, policy-gradient correction and the chunked
 objective, checked against float64 references computed another way (explicit probability tables, plain loops),
 hand-worked values, limits and a Monte-Carlo check of the sampled-token estimator."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.losses import (
+from tasks.objectives.losses import (
     Objective,
     TokenInputs,
     chunked_objective,
@@ -758,7 +758,7 @@ def test_non_finite_log_probs_at_masked_positions_do_not_poison_the_gradient():
 
 # ------------------------------------------------------------------ per-token diagnostics
 def test_token_diagnostics_hand_computed():
-    from tasks.losses import token_diagnostics
+    from tasks.objectives.losses import token_diagnostics
 
     logq = torch.log_softmax(torch.zeros(1, 4), -1)  # uniform over 4: entropy log 4
     logp = torch.log_softmax(torch.tensor([[0.0, 0.0, -60.0, -60.0]]), -1)  # two tokens at 1/2: entropy log 2
@@ -775,7 +775,7 @@ def test_token_diagnostics_hand_computed():
 
 
 def test_chunked_objective_sums_the_diagnostics_over_masked_tokens():
-    from tasks.losses import token_diagnostics
+    from tasks.objectives.losses import token_diagnostics
 
     g = torch.Generator().manual_seed(5)
     B, T, H, V = 2, 7, 6, 12
@@ -792,7 +792,7 @@ def test_chunked_objective_sums_the_diagnostics_over_masked_tokens():
 
 
 def test_extrapolated_head_is_the_teacher_at_scale_one_and_the_reward_optimum_beyond():
-    from tasks.losses import ExtrapolatedHead
+    from tasks.objectives.losses import ExtrapolatedHead
 
     g = torch.Generator().manual_seed(11)
     Ht, Hr, V = 5, 3, 7
@@ -921,7 +921,7 @@ def test_error_messages_list_the_known_choices():
 def test_extrapolated_head_on_batched_hidden_states_in_the_chunked_objective():
     # The merge passes it as the teacher head of chunked_objective, which calls heads on [B, C, H] chunks: the
     # log-softmaxes are over the vocabulary, never over the positions.
-    from tasks.losses import ExtrapolatedHead
+    from tasks.objectives.losses import ExtrapolatedHead
 
     g = torch.Generator().manual_seed(12)
     B, T, Ht, Hr, V = 2, 5, 4, 3, 6
@@ -1039,7 +1039,7 @@ def test_chunked_truncated_importance_sampling_uses_the_objectives_cap():
 
 
 def test_activation_checkpointing_only_when_a_gradient_is_needed(monkeypatch):
-    import tasks.losses as losses
+    import tasks.objectives.losses as losses
 
     calls = []
     real = losses.checkpoint

@@ -9,10 +9,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from flows.bench.teachers import BenchTeachersConfig, bench_rows, prepare_bench, run_case
-from tasks.models import create_model, load_model, save_model
-from tasks.teacher_pool import TeacherPool
-from tasks.tokenizer import build_char_tokenizer
-from tasks.tracking import tracking_uri
+from tasks.modeling.models import create_model, load_model, save_model
+from tasks.modeling.teacher_pool import TeacherPool
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.tracking.runs import tracking_uri
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 

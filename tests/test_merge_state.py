@@ -1,4 +1,4 @@
-"""The merge's state is one object (tasks/merge_state.py): saved whole into a checkpoint and read back whole, every
+"""The merge's state is one object (tasks/merging/merge_state.py): saved whole into a checkpoint and read back whole, every
 field equal; a checkpoint with a field this code does not know is refused, not half read. (That a merge resumed from it
 ends bit-identical to an unbroken one is tests/test_resume.py's.)"""
 
@@ -11,11 +11,11 @@ from dataclasses import fields
 import pytest
 import torch
 
-from tasks.checkpoint import MergeCheckpoints
-from tasks.distill import Batch
-from tasks.evaluate import GateResult, RouteScore
-from tasks.merge_state import TRAINER_FIELDS, MergeState
-from tasks.rollout import Rollout
+from tasks.training.checkpoint import MergeCheckpoints
+from tasks.training.distill import Batch
+from tasks.evaluation.evaluate import GateResult, RouteScore
+from tasks.merging.merge_state import TRAINER_FIELDS, MergeState
+from tasks.modeling.rollout import Rollout
 
 
 def a_state() -> MergeState:

@@ -9,17 +9,17 @@ from mlflow.tracking import MlflowClient
 
 from flows.merge import merge
 from flows.objectives import VARIANTS, compare_objectives, objectives_config
-from tasks.data import build_world
-from tasks.merge import GateBlocked
-from tasks.models import create_model, save_model
-from tasks.paths import models_dir
-from tasks.tokenizer import load_tokenizer
-from tasks.tracking import tracking_uri
+from tasks.world.data import build_world
+from tasks.merging.merge import GateBlocked
+from tasks.modeling.models import create_model, save_model
+from tasks.common.paths import models_dir
+from tasks.specs.tokenizer import load_tokenizer
+from tasks.tracking.runs import tracking_uri
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 120
-# Forms documented as biased (tasks/losses.py): the naive truncated top-k reverse KL lowers the student's top-k mass
+# Forms documented as biased (tasks/objectives/losses.py): the naive truncated top-k reverse KL lowers the student's top-k mass
 # itself, and its stop-gradient fix still follows only the top-k part of the gradient. They are in the table to show
 # it, not expected to improve the student in a short run.
 BIASED = {"reverse_kl_top8_truncate", "reverse_kl_top8_truncate_stopgrad"}

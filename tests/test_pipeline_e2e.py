@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 from flows.pipeline import pipeline
 from flows.specialists import train_specialists
 from tasks.config import pipeline_config
-from tasks.tracking import tracking_uri
+from tasks.tracking.runs import tracking_uri
 from teachers.registry import TeacherRegistry
 from tests.figures import QUICK_MEAN_RETENTION_FLOOR
 
@@ -45,9 +45,9 @@ def test_quick_merge_mean_retention_stays_in_its_band(quick_run):
 
 
 def greedy_completions(uri: str, prompts: list[str], cap: int) -> list[str]:
-    from tasks.models import load_model
-    from tasks.rollout import decode_responses, generate
-    from tasks.tokenizer import load_tokenizer
+    from tasks.modeling.models import load_model
+    from tasks.modeling.rollout import decode_responses, generate
+    from tasks.specs.tokenizer import load_tokenizer
 
     tok = load_tokenizer(uri)
     return decode_responses(tok, generate(load_model(uri).eval(), tok, list(prompts), cap, greedy=True))
@@ -56,9 +56,9 @@ def greedy_completions(uri: str, prompts: list[str], cap: int) -> list[str]:
 def merge_prompt_set(cfg, student_uri: str):
     """The prompt set a merge of ``cfg``'s built-in world reads (rendered with the student's tokenizer, as
     flows.merge builds it; cached, so this is the merge's own folder)."""
-    from tasks.data import build_world
-    from tasks.prompt_set import build_prompt_set, load_prompt_set
-    from tasks.world_spec import write_world_spec
+    from tasks.world.data import build_world
+    from tasks.specs.prompt_set import build_prompt_set, load_prompt_set
+    from tasks.world.spec import write_world_spec
 
     return load_prompt_set(build_prompt_set(write_world_spec(cfg.world, build_world(cfg.world)), student_uri))
 
@@ -172,7 +172,7 @@ def test_flow_and_mlflow_runs_are_named_for_what_ran(quick_run):
 
 
 def test_teachers_and_student_are_in_the_mlflow_model_registry(quick_run):
-    from tasks.tracking import STUDENT_MODEL, teacher_model_name
+    from tasks.tracking.runs import STUDENT_MODEL, teacher_model_name
 
     cfg, result = quick_run
     client = MlflowClient(tracking_uri())
@@ -198,7 +198,7 @@ def second_merge(quick_run):
 
 
 def test_champion_alias_follows_the_best_mean_retention(quick_run, second_merge):
-    from tasks.tracking import CHAMPION, STUDENT_MODEL
+    from tasks.tracking.runs import CHAMPION, STUDENT_MODEL
 
     _, first = quick_run
     client = MlflowClient(tracking_uri())
@@ -245,7 +245,7 @@ def test_evaluate_scores_the_champion_like_its_merge_did(quick_run, second_merge
 
 def test_register_teacher_flow_validates_then_writes_registry_and_mlflow(quick_run, tmp_path):
     from flows.register import RegisterConfig, register_teacher
-    from tasks.tracking import teacher_model_name
+    from tasks.tracking.runs import teacher_model_name
     from teachers.registry import IncompatibleTeacher
 
     cfg, result = quick_run
@@ -270,12 +270,12 @@ def format_teachers(quick_run):
     """Two specialists trained on purpose to different answers on the same prompts (rev-low's and rev-high's): one
     answers only (``cba``), one writes the length first (``3|cba``). The rev verifier checks the text after the last
     ``|``, so both are right on both routes: only what the student writes tells which one it learned from."""
-    from tasks.data import build_world, load_prompts
-    from tasks.models import load_model, save_model
-    from tasks.paths import models_dir
-    from tasks.tokenizer import load_tokenizer
-    from tasks.train import train_sft
-    from tasks.world import Route, gold_completion
+    from tasks.world.data import build_world, load_prompts
+    from tasks.modeling.models import load_model, save_model
+    from tasks.common.paths import models_dir
+    from tasks.specs.tokenizer import load_tokenizer
+    from tasks.training.sft import train_sft
+    from tasks.world.domains import Route, gold_completion
 
     cfg, result = quick_run
     world = build_world(cfg.world)

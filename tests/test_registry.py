@@ -14,8 +14,9 @@ from pydantic import ValidationError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tasks.tokenizer import build_char_tokenizer, save_tokenizer, tokenizer_fingerprint
-from tasks.world import CHARSET, Route, all_routes
+from tasks.specs.tokenizer import save_tokenizer, tokenizer_fingerprint
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.world.domains import CHARSET, Route, all_routes
 from teachers.registry import (
     IncompatibleTeacher,
     Provenance,
@@ -31,7 +32,7 @@ def make_checkpoint(out: Path, tok: PreTrainedTokenizerBase) -> Path:
     """A tiny real checkpoint (weights, config, tokenizer) as the pipeline would save it."""
     import torch  # here, so that processes spawned from this module (the concurrency test) start faster
 
-    from tasks.models import create_model, save_model
+    from tasks.modeling.models import create_model, save_model
 
     torch.set_num_threads(1)
     model = create_model(tok, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=32)

@@ -1,12 +1,12 @@
-"""Rendering a route's rows (tasks/render.py): the tokenizer's own chat template with the route's or the row's system
+"""Rendering a route's rows (tasks/specs/render.py): the tokenizer's own chat template with the route's or the row's system
 prompt, a format string for base models, a refusal when a chat route meets a tokenizer without a template, and the
 context-length check."""
 
 import pytest
 
-from tasks.render import RenderError, length_problems, render_prompts
-from tasks.spec import parse_spec
-from tasks.tokenizer import build_char_tokenizer
+from tasks.specs.render import RenderError, length_problems, render_prompts
+from tasks.specs.spec import parse_spec
+from tasks.world.tokenizer import build_char_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }};{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -23,8 +23,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from tasks.checkpoint import checkpoints_dir
-from tasks.tracking import tracking_uri
+from tasks.training.checkpoint import checkpoints_dir
+from tasks.tracking.runs import tracking_uri
 from tests.test_faults import _fresh_fault_counts, count_updates, latest_checkpoint, moved_from  # noqa: F401
 
 pytestmark = pytest.mark.e2e

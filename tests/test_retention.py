@@ -1,5 +1,5 @@
-"""Retention and pass@k, the numbers the merge reports per route: ``tasks.evaluate.retention``,
-``tasks.evaluate.pass_at_k`` and ``tasks.merge.route_metrics``, against values computed by hand.
+"""Retention and pass@k, the numbers the merge reports per route: ``tasks.evaluation.evaluate.retention``,
+``tasks.evaluation.evaluate.pass_at_k`` and ``tasks.merging.merge.route_metrics``, against values computed by hand.
 ``python -m pytest tests/test_retention.py -q``"""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from tasks.evaluate import RouteScore, pass_at_k, retention
-from tasks.merge import route_metrics
+from tasks.evaluation.evaluate import RouteScore, pass_at_k, retention
+from tasks.merging.merge import route_metrics
 
 
 def test_retention_is_student_over_teacher_and_zero_for_a_teacher_at_zero():
@@ -84,7 +84,7 @@ def test_route_metrics_per_route_and_means():
 
 
 def test_the_one_mean_over_routes_counts_each_route_once_and_refuses_none():
-    from tasks.evaluate import mean_retention, route_mean
+    from tasks.evaluation.evaluate import mean_retention, route_mean
 
     assert route_mean({"a": 1.0, "b": 0.5, "c": 0.0}) == pytest.approx(0.5)
     assert route_mean([0.25, 0.75]) == 0.5 and route_mean(x for x in (0.9,)) == 0.9
@@ -97,7 +97,7 @@ def test_the_one_mean_over_routes_counts_each_route_once_and_refuses_none():
 
 
 def test_no_other_module_computes_a_mean_over_routes_by_hand():
-    """Mean retention is computed in one place (tasks.evaluate.route_mean): a `sum(...) / len(...)` over retention
+    """Mean retention is computed in one place (tasks.evaluation.evaluate.route_mean): a `sum(...) / len(...)` over retention
     rows or route metrics anywhere else is a second definition waiting to drift."""
     import re
     from pathlib import Path

@@ -9,13 +9,13 @@ compare against are read from the built-in world's own data, not from the prompt
 
 import pytest
 
-import tasks.evaluate
-import tasks.merge
-import tasks.pretrain
-import tasks.prompt_set
-import tasks.specialist
-import tasks.train
-from tasks.data import build_world, load_prompts
+import tasks.evaluation.evaluate
+import tasks.merging.merge
+import tasks.training.pretrain
+import tasks.specs.prompt_set
+import tasks.training.specialist
+import tasks.training.sft
+from tasks.world.data import build_world, load_prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -30,10 +30,10 @@ def watched(prefect_server):
                           opd={"steps": 4, "eval_every": 2, "gate_threshold": 0.0, "batch_size": 16})
     seen = {"fine_tunes": [], "pools": [], "drawn": [], "evals": [], "verify": []}
     context = {"who": None}
-    real_sft, real_eval_route = tasks.train.train_sft, tasks.evaluate.evaluate_route
-    real_merge_eval_route, real_merge_eval_routes = tasks.merge.evaluate_route, tasks.merge.evaluate_routes
-    real_sampler = tasks.merge.PromptSampler
-    real_verifiers = tasks.prompt_set.PromptSet.__dict__["verifiers"].func  # the cached property's own builder
+    real_sft, real_eval_route = tasks.training.sft.train_sft, tasks.evaluation.evaluate.evaluate_route
+    real_merge_eval_route, real_merge_eval_routes = tasks.merging.merge.evaluate_route, tasks.merging.merge.evaluate_routes
+    real_sampler = tasks.merging.merge.PromptSampler
+    real_verifiers = tasks.specs.prompt_set.PromptSet.__dict__["verifiers"].func  # the cached property's own builder
 
     def sft_spy(model, tok, prompts, completions, train_cfg, desc="sft", *a, **k):
         seen["fine_tunes"].append((desc, list(prompts)))
@@ -83,13 +83,13 @@ def watched(prefect_server):
             return prompts, routes, answers
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tasks.train, "train_sft", sft_spy)
-        mp.setattr(tasks.pretrain, "train_sft", sft_spy)
-        mp.setattr(tasks.specialist, "evaluate_route", specialist_eval_spy)
-        mp.setattr(tasks.merge, "evaluate_route", teacher_eval_spy)
-        mp.setattr(tasks.merge, "evaluate_routes", student_eval_spy)
-        mp.setattr(tasks.prompt_set.PromptSet, "verifiers", property(verifiers_spy))
-        mp.setattr(tasks.merge, "PromptSampler", SamplerSpy)
+        mp.setattr(tasks.training.sft, "train_sft", sft_spy)
+        mp.setattr(tasks.training.pretrain, "train_sft", sft_spy)
+        mp.setattr(tasks.training.specialist, "evaluate_route", specialist_eval_spy)
+        mp.setattr(tasks.merging.merge, "evaluate_route", teacher_eval_spy)
+        mp.setattr(tasks.merging.merge, "evaluate_routes", student_eval_spy)
+        mp.setattr(tasks.specs.prompt_set.PromptSet, "verifiers", property(verifiers_spy))
+        mp.setattr(tasks.merging.merge, "PromptSampler", SamplerSpy)
         result = pipeline(cfg)
     return cfg, result, seen
 
@@ -120,7 +120,7 @@ def test_student_and_teacher_are_scored_on_the_same_held_out_prompts_with_the_sa
     # Nothing else was verified under those two roles: no route judged by another route's verifier.
     assert {(w, r) for w, r, _ in seen["verify"]} == {(w, r) for w in ("teacher", "student") for r in held_out}
     rows = {r["route"]: r for r in result["rows"]}
-    assert all(rows[r]["retention"] == pytest.approx(tasks.evaluate.retention(rows[r]["student_accuracy"],
+    assert all(rows[r]["retention"] == pytest.approx(tasks.evaluation.evaluate.retention(rows[r]["student_accuracy"],
                                                                              rows[r]["teacher_accuracy"]))
                for r in held_out)
 
@@ -150,14 +150,14 @@ def test_held_out_prompts_are_disjoint_from_every_training_split(watched):
 
 def test_a_student_that_memorised_the_training_split_gets_no_credit(watched):
     """A model fine-tuned hard on a small world's whole training split (24 rev-low problems) answers those and little
-    else; scored the way the merge scores (the held-out sets tasks.merge evaluates on) it gets its held-out accuracy,
+    else; scored the way the merge scores (the held-out sets tasks.merging.merge evaluates on) it gets its held-out accuracy,
     not its training accuracy."""
     from tasks.config import TrainConfig
-    from tasks.evaluate import evaluate_routes
-    from tasks.models import create_model
-    from tasks.prompt_set import build_prompt_set, load_prompt_set
-    from tasks.tokenizer import load_tokenizer
-    from tasks.world_spec import write_world_spec
+    from tasks.evaluation.evaluate import evaluate_routes
+    from tasks.modeling.models import create_model
+    from tasks.specs.prompt_set import build_prompt_set, load_prompt_set
+    from tasks.specs.tokenizer import load_tokenizer
+    from tasks.world.spec import write_world_spec
 
     cfg, _, _ = watched
     small = cfg.world.model_copy(update={"routes": ["rev-low"], "train_size": 24, "eval_size": 100})
@@ -169,7 +169,7 @@ def test_a_student_that_memorised_the_training_split_gets_no_credit(watched):
     m = cfg.model
     model = create_model(tok, arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
                          intermediate_size=m.intermediate_size, seed=5)
-    tasks.train.train_sft(model, tok, train["prompt"], train["completion"],
+    tasks.training.sft.train_sft(model, tok, train["prompt"], train["completion"],
                           TrainConfig(steps=400, lr=3e-3, warmup_steps=20, batch_size=24), desc="memorise")
     caps = ps.caps()
     on_train = evaluate_routes(model, tok, {"rev-low": (list(train["prompt"]), list(train["answer"]))}, caps,

@@ -4,15 +4,15 @@ reward of a tiny model on one route."""
 import pytest
 import torch
 
-from tasks.rl import group_advantages, policy_loss, train_grpo
-from tasks.world_spec import world_verifiers
+from tasks.training.rl import group_advantages, policy_loss, train_grpo
+from tasks.world.spec import world_verifiers
 
 VERIFIERS = world_verifiers(["rev-low"])
 
 
 def answers_of(route: str, problems: list[str]) -> list[str]:
     """The reference answers of world problems (what the route's verifier compares against)."""
-    from tasks.world import Route, domain_of
+    from tasks.world.domains import Route, domain_of
 
     return [domain_of(Route.parse(route)).answer(p) for p in problems]
 
@@ -30,9 +30,9 @@ def test_group_advantages_by_hand():
 
 
 def test_policy_loss_gradient_is_minus_advantage_times_grad_log_prob():
-    from tasks.models import create_model
-    from tasks.rollout import generate, token_logprobs
-    from tasks.tokenizer import build_char_tokenizer
+    from tasks.modeling.models import create_model
+    from tasks.modeling.rollout import generate, token_logprobs
+    from tasks.world.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     model = create_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, seed=0)
@@ -55,9 +55,9 @@ def test_policy_loss_gradient_is_minus_advantage_times_grad_log_prob():
 
 def test_the_policy_loss_backward_leaves_the_global_rng_alone(monkeypatch):
     """Like the distillation loss (tests/test_losses.py): its chunk recomputation saves and restores no RNG state."""
-    from tasks.models import create_model
-    from tasks.rollout import generate, token_logprobs
-    from tasks.tokenizer import build_char_tokenizer
+    from tasks.modeling.models import create_model
+    from tasks.modeling.rollout import generate, token_logprobs
+    from tasks.world.tokenizer import build_char_tokenizer
     from tests.test_losses import rng_state_calls
 
     tok = build_char_tokenizer()
@@ -73,10 +73,10 @@ def test_the_policy_loss_backward_leaves_the_global_rng_alone(monkeypatch):
 def warmed_up_rev_low(steps: int = 12):
     """A tiny model after a few supervised steps on one-letter reversal (the answer is the letter itself): it answers
     right sometimes, so GRPO groups disagree and have a signal. Returns (tokenizer, model, prompts, problems)."""
-    from tasks.models import create_model
-    from tasks.tokenizer import build_char_tokenizer
-    from tasks.train import sft_batch, sft_loss
-    from tasks.world import Route, format_prompt, gold_completion
+    from tasks.modeling.models import create_model
+    from tasks.world.tokenizer import build_char_tokenizer
+    from tasks.training.sft import sft_batch, sft_loss
+    from tasks.world.domains import Route, format_prompt, gold_completion
 
     tok = build_char_tokenizer()
     model = create_model(tok, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32, seed=0)
@@ -119,8 +119,8 @@ def test_grpo_runs_side_by_side_in_threads_end_where_they_end_alone():
 
 
 def test_a_few_grpo_steps_raise_the_reward():
-    from tasks.rollout import decode_responses, generate
-    from tasks.world import Route, verify
+    from tasks.modeling.rollout import decode_responses, generate
+    from tasks.world.domains import Route, verify
 
     torch.manual_seed(0)
     tok, model, prompts, problems = warmed_up_rev_low()

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from tasks.distill import opd_step, score_with_teachers
-from tasks.teacher import checkpoint_teachers
-from tasks.losses import Objective, chunked_objective
-from tasks.models import create_model
-from tasks.rollout import (
+from tasks.training.distill import opd_step, score_with_teachers
+from tasks.modeling.teacher import checkpoint_teachers
+from tasks.objectives.losses import Objective, chunked_objective
+from tasks.modeling.models import create_model
+from tasks.modeling.rollout import (
     PrivateSampler,
     decode_responses,
     forward_hidden,
@@ -15,9 +15,9 @@ from tasks.rollout import (
     position_ids_from_mask,
     response_mask,
 )
-from tasks.tokenizer import build_char_tokenizer
-from tasks.world import Route, domain_of
-from tasks.world_spec import world_verifiers
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.world.domains import Route, domain_of
+from tasks.world.spec import world_verifiers
 
 PROMPTS = ["<bos><shift><low>1:ab=", "<bos><rev><high>abcdefgh=", "<bos><sort><low>5203="]
 PROBLEMS = ["1:ab", "abcdefgh", "5203"]

@@ -8,8 +8,8 @@ from inspect import signature
 import pytest
 from mlflow.tracking import MlflowClient
 
-import tasks.merge
-from tasks.tracking import tracking_uri
+import tasks.merging.merge
+from tasks.tracking.runs import tracking_uri
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ def overridden(short_pipeline):
     """The merge, and what its updates and teacher calls saw: [(routes, response lengths, route_weights,
     objectives, stats)] and [(teacher, decoded sequences)]."""
     from flows.merge import merge
-    from tasks.tokenizer import load_tokenizer
+    from tasks.specs.tokenizer import load_tokenizer
 
     cfg, res = short_pipeline
     routes = cfg.world.routes
@@ -37,7 +37,7 @@ def overridden(short_pipeline):
     })})
     tok = load_tokenizer(res["base_uri"])
     updates, scored = [], []
-    real_update, real_score = tasks.merge.update_step, tasks.merge.score_with_teachers
+    real_update, real_score = tasks.merging.merge.update_step, tasks.merging.merge.score_with_teachers
 
     def update_spy(student, batch, teacher_hidden, objectives, *args, **kwargs):
         stats = real_update(student, batch, teacher_hidden, objectives, *args, **kwargs)
@@ -55,8 +55,8 @@ def overridden(short_pipeline):
         return real_score(teachers, groups, rollout, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tasks.merge, "update_step", update_spy)
-        mp.setattr(tasks.merge, "score_with_teachers", score_spy)
+        mp.setattr(tasks.merging.merge, "update_step", update_spy)
+        mp.setattr(tasks.merging.merge, "score_with_teachers", score_spy)
         out = merge(mcfg)
     return mcfg, out, updates, scored
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tasks.world import Route
+from tasks.world.domains import Route
 from teachers.registry import Provenance, TeacherNotFound, TeacherRecord, TeacherRegistry
 from teachers.router import Router, RoutingError, UnmappedRouteError
 

@@ -18,12 +18,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.config import MergeConfig, SpecialistsConfig
-from tasks.log import redact, say
-from tasks.models import load_model
-from tasks.paths import PROJECT_ROOT
-from tasks.tokenizer import build_char_tokenizer
-from tasks.tracking import config_params, end_run, register_version, start_run, tracking_uri
-from tasks.world import Route
+from tasks.common.log import redact, say
+from tasks.modeling.models import load_model
+from tasks.common.paths import PROJECT_ROOT
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.tracking.runs import config_params, end_run, register_version, start_run, tracking_uri
+from tasks.world.domains import Route
 from teachers.cli import main as teachers_cli
 from teachers.registry import (
     IncompatibleTeacher,
@@ -155,8 +155,8 @@ def test_pickle_weights_are_not_loaded(ckpt, tmp_path):
 
 
 def test_remote_code_runs_only_with_a_registry_grant(ckpt, tmp_path, tok):
-    from tasks.merge import _load_teacher
-    from tasks.tokenizer import tokenizer_fingerprint
+    from tasks.merging.merge import _load_teacher
+    from tasks.specs.tokenizer import tokenizer_fingerprint
 
     remote = shutil.copytree(ckpt, tmp_path / "remote")
     marker = _remote_code_config(remote)
@@ -211,9 +211,9 @@ def test_registry_path_must_be_a_json_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("route", ["../../x-low", "/abs-low", "rev/../x-low", "rev-low/..", "..", ".hidden"])
 def test_crafted_routes_never_become_paths(route):
-    # Routes name specialist folders (tasks/specialist.py specialist_dir) and are checked before any use: by the
+    # Routes name specialist folders (tasks/training/specialist.py specialist_dir) and are checked before any use: by the
     # world's parser, the spec's route-name rule and the registry record.
-    from tasks.spec import check_route_name
+    from tasks.specs.spec import check_route_name
 
     with pytest.raises(ValueError, match="<domain>-<budget>"):
         Route.parse(route)
@@ -231,7 +231,7 @@ def test_other_names_that_reach_paths_are_patterns():
 
 
 def test_provenance_data_is_only_opened_as_a_prompt_set_folder_name(tmp_path, monkeypatch):
-    from tasks.paths import prompt_sets_dir
+    from tasks.common.paths import prompt_sets_dir
     from tasks.preflight import leakage_problems
 
     # A finished-looking prompt set at the end of every crafted value, so that each one would reach it if it were
@@ -246,7 +246,7 @@ def test_provenance_data_is_only_opened_as_a_prompt_set_folder_name(tmp_path, mo
         (folder / "DONE").write_text("ok\n")
         assert (sets / data / "DONE").exists(), data  # reachable: only the name check stands in the way
     opened = []
-    monkeypatch.setattr("tasks.prompt_set.load_prompt_set", lambda *a: opened.append(a) or pytest.fail(
+    monkeypatch.setattr("tasks.specs.prompt_set.load_prompt_set", lambda *a: opened.append(a) or pytest.fail(
         f"a crafted provenance.data was opened: {a}"))
     for data in targets:
         rec = make_record("t", provenance=make_record("t").provenance.model_copy(update={"data": data}))

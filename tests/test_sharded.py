@@ -6,15 +6,15 @@ import re
 import pytest
 import torch
 
-from tasks.distill import sample_batch, score_with_teachers, update_step
-from tasks.teacher import checkpoint_teachers
-from tasks.losses import Objective
-from tasks.models import create_model
-from tasks.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
-from tasks.tokenizer import build_char_tokenizer
-from tasks.train import make_optimizer
-from tasks.world import Route, domain_of, format_prompt
-from tasks.world_spec import world_verifiers
+from tasks.training.distill import sample_batch, score_with_teachers, update_step
+from tasks.modeling.teacher import checkpoint_teachers
+from tasks.objectives.losses import Objective
+from tasks.modeling.models import create_model
+from tasks.training.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.training.sft import make_optimizer
+from tasks.world.domains import Route, domain_of, format_prompt
+from tasks.world.spec import world_verifiers
 
 PROBLEMS = {"rev-high": ["abcd", "qwe", "zz", "xyzw", "ab"], "sort-low": ["5203", "91", "777", "8412"]}
 
@@ -137,7 +137,7 @@ def test_quick_merge_on_two_gloo_ranks_equals_one_process(merged_twice):
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
-    from tasks.tracking import tracking_uri
+    from tasks.tracking.runs import tracking_uri
 
     cfg, one, two = merged_twice
     w1, w2 = (load_file(f"{r['student_uri']}/model.safetensors") for r in (one, two))

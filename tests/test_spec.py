@@ -1,4 +1,4 @@
-"""The route spec (tasks/spec.py) and its verifiers (tasks/verifiers.py): a user's file is read, validated with errors
+"""The route spec (tasks/specs/spec.py) and its verifiers (tasks/specs/verifiers.py): a user's file is read, validated with errors
 naming the file, route and field, and each route's rows split into train and held-out prompts that never overlap."""
 
 import json
@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 
-from tasks import verifiers
+from tasks.specs import verifiers
 from tasks.preflight import InputError
-from tasks.spec import VerifySpec, load_route_rows, load_spec, parse_spec
+from tasks.specs.spec import VerifySpec, load_route_rows, load_spec, parse_spec
 
 
 def write_jsonl(path, rows):

@@ -8,11 +8,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.config import SpecialistsConfig, pipeline_config
-from tasks.data import build_world
-from tasks.models import create_model, save_model
-from tasks.paths import models_dir
-from tasks.tokenizer import load_tokenizer
-from tasks.tracking import tracking_uri
+from tasks.world.data import build_world
+from tasks.modeling.models import create_model, save_model
+from tasks.common.paths import models_dir
+from tasks.specs.tokenizer import load_tokenizer
+from tasks.tracking.runs import tracking_uri
 from teachers.registry import TeacherRegistry
 
 pytestmark = pytest.mark.e2e

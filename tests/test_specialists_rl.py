@@ -9,8 +9,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from tasks.config import RLConfig, SpecialistsConfig, TrainConfig, WorldConfig, pipeline_config
-from tasks.specialist import SPECIALISTS_EXPERIMENT, specialist_dir
-from tasks.tracking import tracking_uri
+from tasks.training.specialist import SPECIALISTS_EXPERIMENT, specialist_dir
+from tasks.tracking.runs import tracking_uri
 
 ROUTE = "rev-low"
 # Measured on this 2-core machine (2026-12): the quick base answers 0.47 of rev-low's held-out prompts; 200 GRPO steps
@@ -116,10 +116,10 @@ def test_sft_and_rl_specialists_never_share_a_folder_or_a_cache_entry():
 
 def test_policy_loss_is_on_policy_at_the_sampling_temperature():
     """Rollouts sampled at T with old log-probs at T: the ratio is 1, so the loss is minus the mean advantage."""
-    from tasks.models import create_model
-    from tasks.rl import policy_loss
-    from tasks.rollout import generate, token_logprobs
-    from tasks.tokenizer import build_char_tokenizer
+    from tasks.modeling.models import create_model
+    from tasks.training.rl import policy_loss
+    from tasks.modeling.rollout import generate, token_logprobs
+    from tasks.world.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.config import pipeline_config
-from tasks.paths import PROJECT_ROOT
+from tasks.common.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.e2e
 

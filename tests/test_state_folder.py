@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.paths import PROJECT_ROOT, state_dir, state_env
+from tasks.common.paths import PROJECT_ROOT, state_dir, state_env
 
 
 def clean_env(home: Path, opd_home: Path, **extra: str) -> dict[str, str]:
@@ -48,7 +48,7 @@ PROBE = """
 import io, json, os, sys
 import {package}
 from prefect.settings import get_current_settings
-from tasks.tracking import retention_figure
+from tasks.tracking.runs import retention_figure
 import datasets.config, huggingface_hub.constants, matplotlib
 from mlflow.telemetry.utils import is_telemetry_disabled
 retention_figure([dict(route="r", base_accuracy=0.1, teacher_accuracy=0.9, student_accuracy=0.8, retention=0.89)],
@@ -107,7 +107,7 @@ def test_a_cached_world_is_never_another_state_folders(prefect_server, tmp_path,
     from prefect import flow
 
     from tasks.config import WorldConfig
-    from tasks.pretrain import prompt_set_task, spec_file
+    from tasks.training.pretrain import prompt_set_task, spec_file
 
     @flow(name="state-folder-world")
     def world_of(cfg: WorldConfig) -> tuple[str, str]:

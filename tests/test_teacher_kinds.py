@@ -1,4 +1,4 @@
-"""The teacher interface (tasks/teacher.py): the merge's scoring and update read only ``Teacher.score``, whatever the
+"""The teacher interface (tasks/modeling/teacher.py): the merge's scoring and update read only ``Teacher.score``, whatever the
 kind behind it; each kind gives the teacher's own log-probs; which kind a registered teacher is, is data."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tasks.distill import Batch, score_with_teachers, update_step
-from tasks.engines import ALL_VOCAB, ServedHead
-from tasks.losses import Objective
-from tasks.models import create_model
-from tasks.rollout import forward_hidden, position_ids_from_mask, rollout_from_responses
-from tasks.teacher import (
+from tasks.training.distill import Batch, score_with_teachers, update_step
+from tasks.modeling.engines import ALL_VOCAB, ServedHead
+from tasks.objectives.losses import Objective
+from tasks.modeling.models import create_model
+from tasks.modeling.rollout import forward_hidden, position_ids_from_mask, rollout_from_responses
+from tasks.modeling.teacher import (
     CheckpointTeacher,
     ServedTeacher,
     TeacherBatch,
@@ -23,8 +23,8 @@ from tasks.teacher import (
     make_teachers,
     teacher_kind,
 )
-from tasks.tokenizer import build_char_tokenizer
-from tasks.train import make_optimizer
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.training.sft import make_optimizer
 
 PROMPTS = ["reverse abcd |", "reverse qwe |", "reverse zz |"]
 RESPONSES = ["dcba", "ewq", "zz"]
@@ -167,7 +167,7 @@ def test_score_with_teachers_passes_each_teacher_its_rows_and_logprobs_and_costs
 
 
 def test_checkpoint_teachers_load_nothing_until_scored(tok, rollout):
-    from tasks.teacher_pool import TeacherPool
+    from tasks.modeling.teacher_pool import TeacherPool
 
     loaded = []
     pool = TeacherPool(["t0", "t1"], lambda name: loaded.append(name) or tiny(tok, 7), max_resident=1)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.paths import PROJECT_ROOT
-from tasks.tokenizer import build_char_tokenizer, save_tokenizer, tokenizer_fingerprint
-from tasks.tracking import tracking_uri
+from tasks.common.paths import PROJECT_ROOT
+from tasks.specs.tokenizer import save_tokenizer, tokenizer_fingerprint
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.tracking.runs import tracking_uri
 from teachers.cli import main
 from teachers.registry import TeacherRegistry
 from tests.test_registry import make_checkpoint
@@ -85,7 +86,7 @@ def test_cli_register_errors_are_one_line(tmp_path, ckpt, capsys):
 
     # The pipeline's tokenizer location is the default.
     save_tokenizer(build_char_tokenizer(), tmp_path / "opd" / "world" / "tokenizer")
-    # Any route name of a spec is a route (tasks.spec.check_route_name): refused only when it is not a route name.
+    # Any route name of a spec is a route (tasks.specs.spec.check_route_name): refused only when it is not a route name.
     assert main([*base, "--route", "bad/route"]) == 2
     err = capsys.readouterr().err
     assert "'bad/route' is not a route name" in err and err.count("\n") == 1

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from tasks.config import pipeline_config
-from tasks.paths import PROJECT_ROOT, models_dir
+from tasks.common.paths import PROJECT_ROOT, models_dir
 from tasks.preflight import InputError
 from teachers.preflight import preflight_pipeline
-from tasks.prompt_set import build_prompt_set, load_prompt_set, spec_digest
+from tasks.specs.prompt_set import build_prompt_set, load_prompt_set, spec_digest
 
 USER_SPEC = PROJECT_ROOT / "tests" / "data" / "user_spec"
 
@@ -120,7 +120,8 @@ def test_a_verifier_that_raises(spec_dir):
 
 
 def test_a_chat_route_with_a_tokenizer_that_has_no_chat_template(spec_dir):
-    from tasks.tokenizer import build_char_tokenizer, save_tokenizer
+    from tasks.specs.tokenizer import save_tokenizer
+    from tasks.world.tokenizer import build_char_tokenizer
 
     save_tokenizer(build_char_tokenizer(), spec_dir / "plain-tokenizer")
     problems = refused(edit(spec_dir, lambda d: d.update(tokenizer="plain-tokenizer")))
@@ -148,3 +149,18 @@ def test_every_problem_of_a_spec_at_once_and_the_command_line_says_them_without_
     assert any("routes[reverse].data.prompt_column" in e for e in errors)
     assert any("routes[letters].verify" in e and "nowhere_module" in e for e in errors)
     assert "Traceback" not in out.stderr
+
+
+def test_generate_settings_not_applied_yet_are_said_not_dropped(spec_dir):
+    """Only generate.max_new_tokens acts today: a spec that sets a temperature, top-p or stop strings passes the
+    preflight with a warning naming the route and each setting, and a spec that sets none gets no warning."""
+    plain = preflight_pipeline(pipeline_config("quick", spec=str(spec_dir / "routes.yaml")), say_warnings=False)
+    assert plain.warnings == []
+
+    def change(doc):
+        route = next(r for r in doc["routes"] if r["name"] == "letters")
+        route.setdefault("generate", {}).update(temperature=0.7, stop=["\n\n"])
+
+    report = preflight_pipeline(pipeline_config("quick", spec=str(edit(spec_dir, change))), say_warnings=False)
+    assert len(report.warnings) == 1
+    assert report.warnings[0].startswith("route 'letters': generate temperature 0.7, stop ['\\n\\n'] not applied")

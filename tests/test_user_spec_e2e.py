@@ -8,10 +8,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.config import pipeline_config
-from tasks.evaluate import route_mean
-from tasks.paths import PROJECT_ROOT
-from tasks.prompt_set import spec_digest
-from tasks.tracking import tracking_uri
+from tasks.evaluation.evaluate import route_mean
+from tasks.common.paths import PROJECT_ROOT
+from tasks.specs.prompt_set import spec_digest
+from tasks.tracking.runs import tracking_uri
 
 SPEC = PROJECT_ROOT / "tests" / "data" / "user_spec" / "routes.yaml"
 
@@ -54,7 +54,7 @@ def test_the_merged_student_registered_as_a_teacher_serves_a_second_merge(user_p
 
     from pathlib import Path
 
-    from tasks.tokenizer import load_tokenizer
+    from tasks.specs.tokenizer import load_tokenizer
 
     cfg, first = user_pipeline
     folder = Path(first["student_uri"])

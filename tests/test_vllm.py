@@ -14,9 +14,9 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="needs vllm: make vllm-env, then .venv-vllm/bin/python -m pytest -m vllm")
 
-from tasks.distill import score_with_teachers  # noqa: E402
-from tasks.teacher import make_teachers  # noqa: E402
-from tasks.engines import (  # noqa: E402
+from tasks.training.distill import score_with_teachers  # noqa: E402
+from tasks.modeling.teacher import make_teachers  # noqa: E402
+from tasks.modeling.engines import (  # noqa: E402
     ALL_VOCAB,
     EndpointTeacher,
     EngineTeacher,
@@ -24,10 +24,10 @@ from tasks.engines import (  # noqa: E402
     logprob_parity,
     parity_sequences,
 )
-from tasks.losses import Objective, TokenInputs, chunked_objective  # noqa: E402
-from tasks.models import create_model, save_model  # noqa: E402
-from tasks.rollout import forward_hidden, token_logprobs  # noqa: E402
-from tasks.tokenizer import build_char_tokenizer  # noqa: E402
+from tasks.objectives.losses import Objective, TokenInputs, chunked_objective  # noqa: E402
+from tasks.modeling.models import create_model, save_model  # noqa: E402
+from tasks.modeling.rollout import forward_hidden, token_logprobs  # noqa: E402
+from tasks.specs.tokenizer import build_char_tokenizer  # noqa: E402
 from tests.figures import QUICK_MEAN_RETENTION_FLOOR  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -58,7 +58,7 @@ def _masked_max_gap(a_B_T: torch.Tensor, b_B_T: torch.Tensor, mask_B_T: torch.Te
 
 def test_rollout_engine_log_probs_are_the_students_and_follow_each_weight_sync(tok, ckpts):
     path, _ = ckpts["student"]
-    from tasks.models import load_model
+    from tasks.modeling.models import load_model
 
     student = load_model(path)
     engine = VLLMRollout(path, tok, seed=0)
@@ -96,7 +96,7 @@ def test_rollout_engine_log_probs_are_the_students_and_follow_each_weight_sync(t
     Objective(loss="sampled_token"),  # the sampled token's log-prob only
 ], ids=["reverse_kl", "forward_kl", "top4_tail", "sampled_token"])
 def test_served_teacher_gives_the_same_objective_as_the_local_forward(tok, ckpts, obj):
-    from tasks.engines import served_logprobs_k
+    from tasks.modeling.engines import served_logprobs_k
 
     student_path, student = ckpts["student"]
     teacher_path, teacher = ckpts["teacher"]
@@ -193,7 +193,7 @@ def hf_and_vllm_merges(prefect_server):
     from flows.merge import merge
     from flows.pipeline import pipeline
     from tasks.config import pipeline_config
-    from tasks.paths import world_dir
+    from tasks.common.paths import world_dir
     from teachers.registry import TeacherRegistry
 
     cfg = pipeline_config("quick")
@@ -236,7 +236,7 @@ def test_merge_with_vllm_rollouts_and_served_teachers_improves_the_student_like_
 def test_vllm_merge_logs_parity_sync_cost_and_backends(hf_and_vllm_merges):
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import tracking_uri
+    from tasks.tracking.runs import tracking_uri
 
     cfg, hf, served, endpoint_teacher = hf_and_vllm_merges
     client = MlflowClient(tracking_uri())

@@ -1,4 +1,4 @@
-"""Weight-merging baselines (tasks.weight_merge): hand-computed merges, identities between the methods, DARE's
+"""Weight-merging baselines (tasks.merging.weight_merge): hand-computed merges, identities between the methods, DARE's
 expectation and determinism, the mismatch errors, and a round trip through real checkpoints. The mergekit
 cross-check runs only where a ``mergekit-yaml`` is found (on PATH or in $MERGEKIT_YAML; mergekit lives in its own
 venv, e.g. ``python -m venv /tmp/mk && /tmp/mk/bin/pip install torch==2.13.0 mergekit``)."""
@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tasks.models import create_model, save_model
-from tasks.tokenizer import build_char_tokenizer
-from tasks.weight_merge import check_compatible, dare, merge_checkpoints, task_arithmetic, task_vectors, ties
+from tasks.modeling.models import create_model, save_model
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.merging.weight_merge import check_compatible, dare, merge_checkpoints, task_arithmetic, task_vectors, ties
 
 T = torch.tensor
 

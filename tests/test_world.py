@@ -5,9 +5,10 @@ import json
 import pytest
 
 from tasks.config import WorldConfig
-from tasks.data import build_world, load_prompt_file, load_prompts, route_splits
-from tasks.tokenizer import build_char_tokenizer, load_tokenizer, save_tokenizer, tokenizer_fingerprint
-from tasks.world import (
+from tasks.world.data import build_world, load_prompt_file, load_prompts, route_splits
+from tasks.specs.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.world.domains import (
     DOMAINS,
     STEP_SEP,
     Route,

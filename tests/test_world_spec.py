@@ -1,4 +1,4 @@
-"""The built-in world written as a route spec (tasks/world_spec.py) reads back, through the general spec path, as the
+"""The built-in world written as a route spec (tasks/world/spec.py) reads back, through the general spec path, as the
 same prompts, splits, gold completions and verdicts as the world itself."""
 
 import random
@@ -6,11 +6,11 @@ import random
 import pytest
 
 from tasks.config import pipeline_config
-from tasks.data import build_world, eval_sets, load_prompts, max_new_tokens_for, rows_by_route
-from tasks.spec import load_route_rows, load_spec
-from tasks.tokenizer import build_char_tokenizer
-from tasks.world import Route, format_ok, format_pattern, gold_completion, verify
-from tasks.world_spec import write_world_spec
+from tasks.world.data import build_world, eval_sets, load_prompts, max_new_tokens_for, rows_by_route
+from tasks.specs.spec import load_route_rows, load_spec
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.world.domains import Route, format_ok, format_pattern, gold_completion, verify
+from tasks.world.spec import write_world_spec
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from flows.base import prepare_base
 from flows.merge import merge
 from flows.names import current_run_name, from_parameters, stamp
 from flows.specialists import train_specialists
-from tasks.benchmark import (
+from tasks.bench.curves import (
     Curve,
     curve_from_run,
     curve_records,
@@ -48,11 +48,11 @@ from tasks.benchmark import (
     weight_merge_curve,
 )
 from tasks.config import PipelineConfig, RLConfig, _deep_merge, known_names, pipeline_config
-from tasks.log import say
-from tasks.paths import models_dir
-from tasks.table import format_table
-from tasks.tracking import config_params, end_run, log_figure, log_metrics, log_table, start_run, tracking_uri
-from tasks.world import Route
+from tasks.common.log import say
+from tasks.common.paths import models_dir
+from tasks.common.table import format_table
+from tasks.tracking.runs import config_params, end_run, log_figure, log_metrics, log_table, start_run, tracking_uri
+from tasks.world.domains import Route
 from teachers.registry import TeacherRegistry
 
 # name -> what runs: a merge with these `opd` overrides, GRPO, a weight merge, or the ExOPD merges of RL specialists.

@@ -23,14 +23,14 @@ import tempfile
 import torch
 from pydantic import Field
 
-from tasks.bench import median_seconds, publish, world_batch
+from tasks.bench.helpers import median_seconds, publish, world_batch
 from tasks.config import _Config
-from tasks.engines import ALL_VOCAB, EngineTeacher, VLLMRollout
-from tasks.log import say
-from tasks.teacher import ServedTeacher, TeacherBatch
-from tasks.models import create_model, num_parameters, save_model
-from tasks.rollout import generate, token_logprobs
-from tasks.tokenizer import build_char_tokenizer
+from tasks.modeling.engines import ALL_VOCAB, EngineTeacher, VLLMRollout
+from tasks.common.log import say
+from tasks.modeling.teacher import ServedTeacher, TeacherBatch
+from tasks.modeling.models import create_model, num_parameters, save_model
+from tasks.modeling.rollout import generate, token_logprobs
+from tasks.world.tokenizer import build_char_tokenizer
 
 
 class BenchEnginesConfig(_Config):

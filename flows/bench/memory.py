@@ -1,7 +1,7 @@
 """Benchmark: peak memory of the chunked full-vocabulary divergence against the naive path, same inputs, one run.
 
 The naive path materialises both models' ``[B, T, V]`` fp32 logits (and their log-softmaxes and gradients); the
-chunked path (:func:`tasks.losses.chunked_objective`) computes ``chunk_size`` positions at a time and recomputes each
+chunked path (:func:`tasks.objectives.losses.chunked_objective`) computes ``chunk_size`` positions at a time and recomputes each
 chunk's logits in the backward pass. Each path runs forward + backward in its own fresh process, so its peak RSS
 above the inputs is its own. Printed: both values and gradients' largest difference, each peak, and the ratio.
 
@@ -19,10 +19,10 @@ import tempfile
 import torch
 from pydantic import Field, field_validator
 
-from tasks.bench import peak_rss_mb, reset_peak_rss
+from tasks.bench.helpers import peak_rss_mb, reset_peak_rss
 from tasks.config import _Config
-from tasks.losses import LOSSES, LossName, Objective, chunked_objective, token_divergence
-from tasks.table import format_table
+from tasks.objectives.losses import LOSSES, LossName, Objective, chunked_objective, token_divergence
+from tasks.common.table import format_table
 
 
 class BenchMemoryConfig(_Config):

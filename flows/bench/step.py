@@ -2,7 +2,7 @@
 next to the ideal FLOP bound on this machine. Not a timed test: the numbers depend on the machine and its load.
 
 Each shape gets an untrained student and an untrained teacher of the same shape (another seed), made with this
-project's code, and runs ``warmup`` + ``steps`` plain on-policy steps (:func:`tasks.distill.opd_step`, reverse KL) on
+project's code, and runs ``warmup`` + ``steps`` plain on-policy steps (:func:`tasks.training.distill.opd_step`, reverse KL) on
 the built-in world's prompts; the timed steps are averaged. The bound:
 
     FLOPs per token = 2 P_teacher + 6 P_student     (teacher forward; student forward + backward)
@@ -28,10 +28,10 @@ import sys
 import torch
 from pydantic import Field
 
-from tasks.bench import BenchOPDConfig, matmul_flops, opd_steps, parse_bench_config, parse_shape, publish
-from tasks.log import say
-from tasks.models import create_model, num_parameters
-from tasks.tokenizer import build_char_tokenizer
+from tasks.bench.helpers import BenchOPDConfig, matmul_flops, opd_steps, parse_bench_config, parse_shape, publish
+from tasks.common.log import say
+from tasks.modeling.models import create_model, num_parameters
+from tasks.world.tokenizer import build_char_tokenizer
 
 
 class BenchStepConfig(BenchOPDConfig):

@@ -29,19 +29,19 @@ from prefect.artifacts import create_table_artifact
 from pydantic import Field, field_validator
 
 from flows.names import from_parameters, stamp
-from tasks.bench import peak_rss_mb
+from tasks.bench.helpers import peak_rss_mb
 from tasks.config import MergeConfig, ModelConfig, OPDConfig, WorldConfig, _Config
-from tasks.data import build_world
-from tasks.prompt_set import build_prompt_set
-from tasks.world_spec import write_world_spec
-from tasks.log import say
-from tasks.merge import MergeLoop, start_merge_run
-from tasks.models import create_model, num_parameters, save_model
-from tasks.paths import state_dir
-from tasks.table import format_table
-from tasks.tokenizer import build_char_tokenizer
-from tasks.tracking import config_params, end_run, log_figure, log_table, start_run, tracking_uri
-from tasks.world import all_routes
+from tasks.world.data import build_world
+from tasks.specs.prompt_set import build_prompt_set
+from tasks.world.spec import write_world_spec
+from tasks.common.log import say
+from tasks.merging.merge import MergeLoop, start_merge_run
+from tasks.modeling.models import create_model, num_parameters, save_model
+from tasks.common.paths import state_dir
+from tasks.common.table import format_table
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.tracking.runs import config_params, end_run, log_figure, log_table, start_run, tracking_uri
+from tasks.world.domains import all_routes
 from teachers.registry import Provenance, TeacherRegistry
 from teachers.router import Router
 

@@ -1,4 +1,4 @@
-"""Benchmark: our OPD step (:func:`tasks.distill.opd_step`) against TRL's on-policy distillation trainer on the same
+"""Benchmark: our OPD step (:func:`tasks.training.distill.opd_step`) against TRL's on-policy distillation trainer on the same
 checkpoints, prompts, batch and machine, in one process: response tokens per second and seconds per step, printed as
 a ratio (target: ours >= 1.5x TRL's tokens/s). Not a timed test: the numbers depend on the machine and its load.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from tasks.bench import (
+from tasks.bench.helpers import (
     BenchOPDConfig,
     opd_steps,
     overlapped_opd_seconds,
@@ -41,10 +41,10 @@ from tasks.bench import (
     publish,
     save_checkpoint,
 )
-from tasks.log import say
-from tasks.models import load_model, num_parameters
-from tasks.tokenizer import build_char_tokenizer
-from tasks.train import make_optimizer
+from tasks.common.log import say
+from tasks.modeling.models import load_model, num_parameters
+from tasks.world.tokenizer import build_char_tokenizer
+from tasks.training.sft import make_optimizer
 
 
 class BenchTRLConfig(BenchOPDConfig):
@@ -160,7 +160,7 @@ def bench_trl(cfg: BenchTRLConfig) -> dict:
     import trl
 
     torch.set_num_threads(cfg.threads)
-    say(f"ours (tasks.distill.opd_step, reverse_kl) vs TRL {trl.__version__} DistillationTrainer (beta=1.0, on-policy)"
+    say(f"ours (tasks.training.distill.opd_step, reverse_kl) vs TRL {trl.__version__} DistillationTrainer (beta=1.0, on-policy)"
         f": batch {cfg.batch_size}, up to {cfg.max_new_tokens} new tokens, {cfg.warmup} warm-up + {cfg.steps} timed "
         f"steps each, alternating, {torch.get_num_threads()} torch thread(s); untrained student and teacher")
     rows, metrics = [], {}

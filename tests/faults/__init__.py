@@ -11,13 +11,13 @@ turn a loss into NaN, so that tests can check what a kill, a hung process or a n
 A rule is ``POINT[:N|:N-][=ACTION]`` (no count: every time; ``N-``: from the Nth time on; default action ``kill``).
 Points (:mod:`tests.faults.points` says where each one is hooked):
 
-    generate            an on-policy batch was sampled, not yet scored (tasks.distill.sample_batch)
-    loss                a distillation loss computed, once per tasks.distill.update_step; ``nan`` makes it a real
+    generate            an on-policy batch was sampled, not yet scored (tasks.training.distill.sample_batch)
+    loss                a distillation loss computed, once per tasks.training.distill.update_step; ``nan`` makes it a real
                         NaN that flows through the backward pass
-    update              gradients computed and clipped, optimizer not stepped (tasks.distill.update_step)
-    checkpoint_write    part of a checkpoint's files written, not committed (tasks.checkpoint.MergeCheckpoints.save)
+    update              gradients computed and clipped, optimizer not stepped (tasks.training.distill.update_step)
+    checkpoint_write    part of a checkpoint's files written, not committed (tasks.training.checkpoint.MergeCheckpoints.save)
     checkpoint_saved    a checkpoint committed
-    specialist/<route>  a specialist trained, not evaluated or saved (tasks.specialist.train_specialist)
+    specialist/<route>  a specialist trained, not evaluated or saved (tasks.training.specialist.train_specialist)
 
 Hits are counted per process and point; the counts restart whenever ``$OPD_FAULT`` changes.
 

@@ -4,17 +4,17 @@ runs at each point, without a line of fault code in the production modules.
 Each point wraps a call its production function makes, and only that call: the wrapper looks at its caller's code
 object (``sys._getframe(1).f_code``) and fires only when called from the function the point belongs to.
 
-    generate            ``verifier_rewards`` as tasks.distill sees it, called by ``sample_batch``: the batch is
+    generate            ``verifier_rewards`` as tasks.training.distill sees it, called by ``sample_batch``: the batch is
                         sampled (and log-probed), not yet rewarded, scored or learned from
-    loss                ``chunked_objective`` as tasks.distill sees it, called by ``update_step``: one hit per
+    loss                ``chunked_objective`` as tasks.training.distill sees it, called by ``update_step``: one hit per
                         update_step call (at its first objective); ``nan`` multiplies every objective loss of that
                         step by NaN, so the summed loss and the backward pass are NaN for real
     update              ``torch.nn.utils.clip_grad_norm_``, called by ``update_step``: gradients computed and
                         clipped, optimizer not stepped
-    checkpoint_write    ``_fsync`` as tasks.checkpoint sees it, called by ``MergeCheckpoints.save`` on the student's
+    checkpoint_write    ``_fsync`` as tasks.training.checkpoint sees it, called by ``MergeCheckpoints.save`` on the student's
                         weights: one file of the temporary checkpoint folder written, the others and the commit not
     checkpoint_saved    ``MergeCheckpoints.save`` returned: the checkpoint is committed
-    specialist/<route>  ``log_eval`` as tasks.specialist sees it, called by ``train_specialist`` (its final
+    specialist/<route>  ``log_eval`` as tasks.training.specialist sees it, called by ``train_specialist`` (its final
                         evaluation): the specialist trained, not evaluated or saved
 
 Every wrapped name is looked up at call time (a module global of the calling module, a class attribute, an
@@ -40,14 +40,14 @@ from tests.faults.rules import fault
 
 # point -> (module, function, the name that function must call for the point to be hooked)
 ANCHORS = {
-    "generate": ("tasks.distill", "sample_batch", "verifier_rewards"),
-    "loss": ("tasks.distill", "update_step", "chunked_objective"),
-    "update": ("tasks.distill", "update_step", "clip_grad_norm_"),
-    "checkpoint_write": ("tasks.checkpoint", "MergeCheckpoints.save", "_fsync"),
-    "specialist/<route>": ("tasks.specialist", "train_specialist", "log_eval"),
+    "generate": ("tasks.training.distill", "sample_batch", "verifier_rewards"),
+    "loss": ("tasks.training.distill", "update_step", "chunked_objective"),
+    "update": ("tasks.training.distill", "update_step", "clip_grad_norm_"),
+    "checkpoint_write": ("tasks.training.checkpoint", "MergeCheckpoints.save", "_fsync"),
+    "specialist/<route>": ("tasks.training.specialist", "train_specialist", "log_eval"),
 }
 
-_UPDATE_CODES: set[CodeType] = set()  # tasks.distill.update_step's code (for the global clip_grad_norm_ wrapper)
+_UPDATE_CODES: set[CodeType] = set()  # tasks.training.distill.update_step's code (for the global clip_grad_norm_ wrapper)
 _step = threading.local()  # the update_step frame whose "loss" hit was taken, and its action
 _installed: list[bool] = [False]
 
@@ -156,9 +156,9 @@ def _patch_specialist(m: ModuleType) -> None:
 
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
-    "tasks.distill": _patch_distill,
-    "tasks.checkpoint": _patch_checkpoint,
-    "tasks.specialist": _patch_specialist,
+    "tasks.training.distill": _patch_distill,
+    "tasks.training.checkpoint": _patch_checkpoint,
+    "tasks.training.specialist": _patch_specialist,
 }
 
 

@@ -1,0 +1,175 @@
+"""Greedy evaluation per route with the route's verifier (from its spec, :mod:`tasks.specs.prompt_set`), and retention =
+student accuracy / teacher accuracy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tasks.modeling.rollout import decode_responses, generate
+from tasks.specs.verifiers import Verifier
+
+
+def verdicts(verify: Verifier, texts: list[str], answers: list[str], prompts: list[str]) -> list[float]:
+    """The verifier's score of each completion against its reference (the row it sees: prompt and answer)."""
+    return [verify(t, a, {"prompt": p, "answer": a}) for t, a, p in zip(texts, answers, prompts)]
+
+
+def right(verify: Verifier, texts: list[str], answers: list[str], prompts: list[str]) -> list[bool]:
+    """Accuracy's verdict: a completion is right only at a full score (partial credit is not accuracy)."""
+    return [score >= 1.0 for score in verdicts(verify, texts, answers, prompts)]
+
+
+@dataclass(frozen=True)
+class RouteScore:
+    accuracy: float
+    response_length: float  # mean tokens including EOS
+    truncated: float  # fraction without EOS
+    n: int
+
+
+def evaluate_route(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    verify: Verifier,
+    prompts: list[str],
+    answers: list[str],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> RouteScore:
+    """Greedy decoding on a route's held-out prompts; ``verify`` (the route's verifier) checks each response against
+    its reference answer."""
+    correct, length, trunc = 0, 0.0, 0.0
+    for s in range(0, len(prompts), batch_size):
+        chunk = list(prompts[s:s + batch_size])
+        ro = generate(model, tok, chunk, max_new_tokens, greedy=True)
+        texts = decode_responses(tok, ro)
+        correct += sum(right(verify, texts, list(answers[s:s + batch_size]), chunk))
+        length += float(ro.response_lengths_B.float().sum())
+        trunc += float(ro.truncated_B.float().sum())
+    n = len(prompts)
+    return RouteScore(correct / n, length / n, trunc / n, n)
+
+
+def evaluate_routes(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    eval_sets: dict[str, tuple[list[str], list[str]]],
+    max_new_tokens: int | dict[str, int],
+    verifiers: Mapping[str, Verifier],
+) -> dict[str, RouteScore]:
+    """``eval_sets``: route -> (prompts, answers); ``max_new_tokens`` one cap or a cap per route; ``verifiers``:
+    route -> its verifier."""
+    caps = max_new_tokens if isinstance(max_new_tokens, dict) else {r: max_new_tokens for r in eval_sets}
+    return {r: evaluate_route(model, tok, verifiers[r], p, a, caps[r]) for r, (p, a) in eval_sets.items()}
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The cold-start gate: per route, the fraction of sampled responses that end with EOS and the fraction that also
+    have the route's shape (its spec's ``verify.format``)."""
+
+    threshold: float
+    eos_rate: dict[str, float]
+    format_rate: dict[str, float]
+
+    @property
+    def failing(self) -> list[str]:
+        return [r for r in self.eos_rate if min(self.eos_rate[r], self.format_rate[r]) < self.threshold]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failing
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{r} eos {self.eos_rate[r]:.2f} format {self.format_rate[r]:.2f}" for r in self.eos_rate
+        ) + f" (threshold {self.threshold:.2f})"
+
+
+def compliance_gate(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: dict[str, list[str]],
+    caps: dict[str, int],
+    threshold: float,
+    well_formed: Callable[[str, str], bool],
+    temperature: float = 1.0,
+) -> GateResult:
+    """Sample the student as the on-policy stage will (at the sampling temperature) on each route's ``prompts`` and
+    measure EOS and format compliance (``well_formed(route, text)``): reverse KL can only teach behaviour the student
+    already samples."""
+    eos, fmt = {}, {}
+    for r, plist in prompts.items():
+        ro = generate(model, tok, plist, caps[r], greedy=False, temperature=temperature)
+        texts = decode_responses(tok, ro)
+        ended_B = ~ro.truncated_B
+        eos[r] = float(ended_B.float().mean())
+        fmt[r] = sum(bool(e) and well_formed(r, t) for e, t in zip(ended_B, texts)) / len(plist)
+    return GateResult(threshold, eos, fmt)
+
+
+def retention(student_acc: float, teacher_acc: float) -> float:
+    """Student score / specialist score on the same prompts and verifier (0 when the teacher scores 0)."""
+    return student_acc / teacher_acc if teacher_acc > 0 else 0.0
+
+
+def route_mean(per_route: Mapping[str, float] | Iterable[float]) -> float:
+    """The mean over routes, each route counting once whatever its number of prompts: the one mean behind every
+    ``<metric>/mean`` in MLflow, the tables' mean and the registered student's ``mean_retention``."""
+    values = list(per_route.values() if isinstance(per_route, Mapping) else per_route)
+    if not values:
+        raise ValueError("a mean over no routes")
+    return sum(values) / len(values)
+
+
+def mean_retention(rows: Iterable[Mapping[str, Any]]) -> float:
+    """:func:`route_mean` of the rows' ``retention`` (one row per route, as the merge and evaluate tables have)."""
+    return route_mean(row["retention"] for row in rows)
+
+
+def label_means(per_route: Mapping[str, float], labels: Mapping[str, Mapping[str, str]]) -> dict[str, float]:
+    """``{"<label>/<value>": mean}`` for every label a route spec gives (``domain``, ``budget``, ...): the
+    :func:`route_mean` over the routes carrying that value, so "how much math did the merge keep" (``domain/math``)
+    reads as directly as one route. Routes without the label are left out of its means."""
+    groups: dict[str, list[float]] = {}
+    for route, value in per_route.items():
+        for key, label in sorted(labels.get(route, {}).items()):
+            groups.setdefault(f"{key}/{label}", []).append(value)
+    return {group: route_mean(values) for group, values in sorted(groups.items())}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` are right: ``1 - C(n-c, k) / C(n, k)``
+    (Chen et al., 2021), computed as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def sampled_pass_at_k(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    verify: Verifier,
+    prompts: list[str],
+    answers: list[str],
+    max_new_tokens: int,
+    k: int,
+    n: int,
+    temperature: float = 1.0,
+) -> float:
+    """Mean pass@k over ``prompts`` from ``n`` samples each at ``temperature`` (the route's verifier): whether the
+    right answer is still within the student's reach when its greedy answer is wrong (diversity a collapse would
+    lose)."""
+    many = [p for p in prompts for _ in range(n)]
+    ro = generate(model, tok, many, max_new_tokens, temperature=temperature)
+    ok = right(verify, decode_responses(tok, ro), [a for a in answers for _ in range(n)], many)
+    return sum(pass_at_k(n, sum(ok[i * n:(i + 1) * n]), k) for i in range(len(prompts))) / len(prompts)

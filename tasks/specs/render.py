@@ -1,0 +1,63 @@
+"""From a route's row to the text a model sees, as its spec's ``render`` says: chat messages through the tokenizer's
+own chat template (the route's system prompt, or the row's, first), or a plain format string for base models. And
+the length check a spec gets before any training: a prompt plus the route's ``max_new_tokens`` must fit the model's
+context.
+
+    from tasks.specs.render import render_prompts, length_problems
+    prompts = render_prompts(route, rows["train"], tok)                    # list[str], one per row
+    problems = length_problems(route, prompts, tok, context=2048, file="routes.yaml")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from tasks.common.problems import Problem
+from tasks.specs.spec import RouteSpec
+
+
+class RenderError(ValueError):
+    """A route whose rows cannot be rendered with this tokenizer (e.g. ``kind: chat`` and no chat template)."""
+
+
+def messages(route: RouteSpec, row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The chat messages of one row: the system prompt (the row's, else the route's), then the user's prompt."""
+    system = str(row.get("system") or route.render.system)
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": str(row["prompt"])}]
+
+
+def render_prompts(route: RouteSpec, rows: Sequence[Mapping[str, Any]] | Any,
+                   tok: PreTrainedTokenizerBase) -> list[str]:
+    """The prompt text of every row (a list of mappings or a ``datasets.Dataset``), ready to be tokenized without
+    special tokens added (a chat template writes its own)."""
+    rows = list(rows)
+    if route.render.kind == "format":
+        return [route.render.template.format(prompt=r["prompt"], system=r.get("system") or route.render.system,
+                                             context=r.get("context") or "") for r in rows]
+    if not getattr(tok, "chat_template", None):
+        raise RenderError(f"route {route.name!r} renders through the tokenizer's chat template (render.kind chat), "
+                          f"and tokenizer {getattr(tok, 'name_or_path', '')!r} has none; use render.kind format "
+                          "with a template, or a tokenizer that has a chat template")
+    return [tok.apply_chat_template(messages(route, r), tokenize=False, add_generation_prompt=True) for r in rows]
+
+
+def length_problems(route: RouteSpec, prompts: Sequence[str], tok: PreTrainedTokenizerBase, context: int,
+                    file: str, limit: int = 5) -> list[Problem]:
+    """Rows whose prompt tokens plus the route's ``generate.max_new_tokens`` exceed ``context`` (the model's
+    positions): each named by its row, at most ``limit`` listed and the rest counted."""
+    lengths = [len(ids) for ids in tok(list(prompts), add_special_tokens=False)["input_ids"]]
+    cap = route.generate.max_new_tokens
+    field = f"routes[{route.name}]"
+    if cap >= context:
+        return [Problem(file, f"{field}.generate.max_new_tokens", f"{cap} new tokens leave no room for a prompt in "
+                        f"the model's {context}-token context")]
+    too_long = [(i, n) for i, n in enumerate(lengths) if n + cap > context]
+    problems = [Problem(file, f"{field}.data", f"row {i + 1}: a {n}-token prompt plus max_new_tokens {cap} exceeds "
+                        f"the model's {context}-token context") for i, n in too_long[:limit]]
+    if len(too_long) > limit:
+        problems.append(Problem(file, f"{field}.data", f"... and {len(too_long) - limit} more rows too long"))
+    return problems

@@ -1,0 +1,1 @@
+"""MLflow: runs, params, metrics, artifacts, the model registry (runs). Above config."""

@@ -1,0 +1,520 @@
+"""One distillation step, in three parts the merge loop composes: make a batch of sequences (the student's own
+rollouts, or off-policy completions: teacher samples cached per teacher, or a dataset column), let each row's routed
+teacher score it in one forward pass, and update the student with each route's objective from the menu in
+:mod:`tasks.objectives.losses`.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tasks.modeling.engines import ALL_VOCAB, VLLMRollout, rollout_with_logprobs
+from tasks.objectives.losses import DIAGNOSTICS, ExtrapolatedHead, Objective, TokenInputs, chunked_objective
+from tasks.modeling.rollout import (
+    Rollout,
+    cap_responses,
+    decode_responses,
+    forward_hidden,
+    generate,
+    response_ids,
+    rollout_from_responses,
+    token_logprobs,
+)
+from tasks.evaluation.evaluate import right
+from tasks.modeling.teacher import Teacher, TeacherBatch, TeacherScore
+from tasks.specs.verifiers import Verifier
+
+OffPolicySource = Literal["teacher", "dataset"]
+
+
+@dataclass
+class Batch:
+    """Sequences to learn on. ``version`` is the number of optimizer steps the generating policy had taken (-1 for
+    off-policy data); ``tokens`` holds behaviour/old log-probs (on-policy batches whose objective needs them);
+    ``answers`` are the rows' reference answers; ``rewards_B`` is the route verifier's 0/1 outcome on each response."""
+
+    rollout: Rollout
+    routes: list[str]
+    answers: list[str]
+    on_policy: bool
+    version: int
+    rewards_B: torch.Tensor
+    tokens: TokenInputs | None = None
+    generated: int = 0  # sequences generated for this batch (teacher-sample cache misses count too)
+    generated_tokens: int = 0  # response tokens those sequences hold (what their generation cost)
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int
+    loss_sum: dict[str, float] = field(default_factory=dict)  # per route: summed per-token objective
+    kl_sum: dict[str, float] = field(default_factory=dict)  # per route: summed full-vocab reverse KL (diagnostic)
+    kl_tokens: dict[str, float] = field(default_factory=dict)  # per route: response tokens scored
+    sequences: dict[str, int] = field(default_factory=dict)  # per route: sequences in the batch
+    truncated: dict[str, int] = field(default_factory=dict)  # per route: sequences without EOS
+    reward_sum: dict[str, float] = field(default_factory=dict)  # per route: verifier outcomes summed
+    # per route, summed over response tokens (the losses module's DIAGNOSTICS, no gradient)
+    student_entropy: dict[str, float] = field(default_factory=dict)
+    teacher_entropy: dict[str, float] = field(default_factory=dict)
+    teacher_nll: dict[str, float] = field(default_factory=dict)
+    topk_overlap: dict[str, float] = field(default_factory=dict)
+    repetition: dict[str, float] = field(default_factory=dict)  # per route: summed per-sequence repeated-3-gram rate
+    length: dict[str, float] = field(default_factory=dict)  # per route: response tokens summed
+    seconds: dict[str, float] = field(default_factory=dict)  # teacher / update
+    grad_norm: float = 0.0  # before clipping
+    skipped: bool = False  # non-finite loss or gradient norm: no optimizer step was taken
+
+
+def repetition_rate(ids: list[int], n: int = 3) -> float:
+    """Share of a response's n-grams that already occurred earlier in it: 0 for text that never repeats itself, near
+    1 for a loop (a student gaming its teacher with repetition shows here)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def verifier_rewards(tok: PreTrainedTokenizerBase, rollout: Rollout, routes: list[str], answers: list[str],
+                     verifiers: Mapping[str, Verifier]) -> torch.Tensor:
+    """1.0 where the response is right by its route's verifier (a full score against its reference answer), else
+    0.0: ``[B]``."""
+    texts = decode_responses(tok, rollout)
+    return torch.tensor([float(right(verifiers[r], [t], [a], [""])[0]) for r, a, t in zip(routes, answers, texts)])
+
+
+def sample_batch(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: list[str],
+    routes: list[str],
+    answers: list[str],
+    caps_B: list[int],
+    version: int,
+    sample_temperature: float = 1.0,
+    divergence_temperature: float = 1.0,
+    with_logprobs: bool = False,
+    engine: VLLMRollout | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    verifiers: Mapping[str, Verifier],
+) -> Batch:
+    """On-policy rollouts of ``model`` (sampled at ``sample_temperature``, no top-k/top-p; each row cut at its route's
+    cap), by transformers (drawing from ``generator`` when given, else torch's global one) or by the vLLM ``engine``
+    holding ``model``'s weights. With ``with_logprobs`` the behaviour log-probs (sampling temperature) and the old
+    policy's log-probs (divergence temperature) of the sampled tokens are recorded for the importance ratio and the
+    per-token advantage; the engine's own log-probs serve as the behaviour log-probs."""
+    tokens = None
+    if engine is not None and with_logprobs:
+        rollout, logq_beh_B_T, logq_old_B_T = rollout_with_logprobs(
+            engine, model, prompts, caps_B, sample_temperature, divergence_temperature)
+        tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_beh_B_T, logq_old_B_T)
+    elif engine is not None:
+        rollout, _ = engine.generate(prompts, caps_B, sample_temperature)
+    else:
+        rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature,
+                           generator=generator)
+        rollout = cap_responses(rollout, caps_B, tok.eos_token_id)
+    if with_logprobs and tokens is None:
+        temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
+        lp = token_logprobs(model, rollout, temps)
+        tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
+    rewards_B = verifier_rewards(tok, rollout, routes, answers, verifiers)
+    return Batch(rollout, routes, answers, True, version, rewards_B, tokens, len(prompts),
+                 int(rollout.response_lengths_B.sum()))
+
+
+class OffPolicyData:
+    """Off-policy completions for GKD's ``1 - lambda`` share of batches and for the cold-start stage.
+
+    ``teacher``: each prompt's routed teacher samples a completion once (at the sampling temperature); it is cached
+    per teacher and reused whenever that prompt comes back. ``dataset``: the prompt set's gold ``completion`` column.
+    """
+
+    def __init__(
+        self,
+        source: OffPolicySource,
+        tok: PreTrainedTokenizerBase,
+        teachers: Mapping[str, Teacher],
+        teacher_of: dict[str, str],
+        gold: dict[str, str],
+        sample_temperature: float = 1.0,
+        *,
+        verifiers: Mapping[str, Verifier],
+    ):
+        if source not in ("teacher", "dataset"):
+            raise ValueError(f"off-policy source must be 'teacher' or 'dataset', got {source!r}")
+        self.source, self.tok, self.teachers, self.teacher_of = source, tok, teachers, teacher_of
+        self.gold, self.sample_temperature, self.verifiers = gold, sample_temperature, verifiers
+        self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
+
+    def batch(self, prompts: list[str], routes: list[str], answers: list[str], caps_B: list[int],
+              generator: torch.Generator | None = None) -> Batch:
+        """Off-policy completions of ``prompts``; teacher samples missing from the cache are drawn from ``generator``
+        when given, else from torch's global one."""
+        generated = generated_tokens = 0
+        if self.source == "dataset":
+            missing = [p for p in prompts if p not in self.gold]
+            if missing:
+                raise KeyError(f"no dataset completion for {len(missing)} prompts, e.g. {missing[0]!r}")
+            ids = self.tok([self.gold[p] for p in prompts], add_special_tokens=False)["input_ids"]
+            responses = [x + [self.tok.eos_token_id] for x in ids]
+        else:
+            generated, generated_tokens = self._fill(prompts, routes, caps_B, generator)
+            responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
+        rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses), caps_B, self.tok.eos_token_id)
+        rewards_B = verifier_rewards(self.tok, rollout, routes, answers, self.verifiers)
+        return Batch(rollout, routes, answers, False, -1, rewards_B, None, generated, generated_tokens)
+
+    def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int],
+              generator: torch.Generator | None) -> tuple[int, int]:
+        """Sample the missing (teacher, prompt) completions, one generate call per teacher. Returns how many, and
+        their response tokens."""
+        todo: dict[str, dict[str, int]] = {}
+        tokens = 0
+        for p, r, cap in zip(prompts, routes, caps_B):
+            name = self.teacher_of[r]
+            if p not in self.cache[name]:
+                todo.setdefault(name, {})[p] = cap
+        for name, caps in todo.items():
+            plist = list(caps)
+            ro = self.teachers[name].sample(self.tok, plist, [caps[p] for p in plist], self.sample_temperature,
+                                            generator)
+            self.cache[name].update(zip(plist, response_ids(ro)))
+            tokens += int(ro.response_lengths_B.sum())
+        return sum(len(c) for c in todo.values()), tokens
+
+
+class PromptSampler:
+    """Draws batches mixed uniformly over routes from each route's training prompts (``route -> (prompts,
+    answers)``), deterministic in ``seed``; also flips GKD's lambda coin for each batch."""
+
+    def __init__(self, train: dict[str, tuple[list[str], list[str]]], seed: int):
+        self.train, self.routes = train, list(train)
+        self.rng = random.Random(seed)
+
+    def draw(self, n: int) -> tuple[list[str], list[str], list[str]]:
+        routes = [self.routes[self.rng.randrange(len(self.routes))] for _ in range(n)]
+        picks = [self.rng.randrange(len(self.train[r][0])) for r in routes]
+        return [self.train[r][0][i] for r, i in zip(routes, picks)], routes, [self.train[r][1][i] for r, i in zip(routes, picks)]
+
+    def on_policy(self, lmbda: float) -> bool:
+        return self.rng.random() < lmbda
+
+
+class BatchProducer:
+    """Makes each batch: with probability ``lmbda`` the student's own rollouts, else off-policy completions.
+
+    With ``overlap`` the next batch is made in a background thread from a copy of the student (the rollout model)
+    while the current update runs; the copy gets the student's weights each time a batch is taken, so a batch is one
+    update behind (``staleness`` 1, more with rollout reuse) and the importance ratio corrects for it. The thread
+    samples from a generator of its own, seeded with ``seed`` (:meth:`rng_state` for checkpoints), never torch's
+    global one: whatever the update draws meanwhile (a student's dropout) cannot change the batches.
+
+    With a vLLM ``engine`` the engine is the rollout model: the student's weights are pushed into it before it
+    generates a batch for a newer student (after every optimizer step when each batch serves one update), and
+    ``sync_seconds`` is that push's cost.
+    """
+
+    def __init__(
+        self,
+        student: PreTrainedModel,
+        tok: PreTrainedTokenizerBase,
+        sampler: PromptSampler,
+        offpolicy: OffPolicyData,
+        caps: dict[str, int],
+        batch_size: int,
+        sample_temperature: float = 1.0,
+        divergence_temperature: float = 1.0,
+        with_logprobs: bool = False,
+        overlap: bool = False,
+        engine: VLLMRollout | None = None,
+        seed: int = 0,
+        *,
+        verifiers: Mapping[str, Verifier],
+    ):
+        self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
+        self.verifiers = verifiers
+        self.batch_size, self.with_logprobs, self.overlap, self.engine = batch_size, with_logprobs, overlap, engine
+        self.temps = (sample_temperature, divergence_temperature)
+        self.rollout_model = None
+        if overlap and engine is None:
+            self.rollout_model = copy.deepcopy(student).eval().requires_grad_(False)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
+        self.generator = torch.Generator().manual_seed(seed) if overlap else None
+        self.pending: Future | None = None
+        self.sync_seconds = 0.0  # time of the last weight sync into the rollout model
+
+    def _make(self, model: PreTrainedModel, on_policy: bool, version: int, drawn) -> Batch:
+        prompts, routes, answers = drawn
+        caps_B = [self.caps[r] for r in routes]
+        if on_policy:
+            return sample_batch(model, self.tok, prompts, routes, answers, caps_B, version, *self.temps,
+                                with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator,
+                                verifiers=self.verifiers)
+        return self.offpolicy.batch(prompts, routes, answers, caps_B, self.generator)
+
+    def next(self, lmbda: float, version: int) -> Batch:
+        """The next batch; ``version`` is the number of optimizer steps the student has taken so far."""
+        if not self.overlap:
+            on_policy = self.sampler.on_policy(lmbda)
+            if on_policy and self.engine is not None and self.engine.version != version:
+                self.engine.sync(self.student, version)
+                self.sync_seconds = self.engine.sync_seconds
+            return self._make(self.student, on_policy, version, self.sampler.draw(self.batch_size))
+        if self.pending is None:
+            self._sync(version)
+            self.pending = self._submit(lmbda, version)
+        batch = self.pending.result()
+        self._sync(version)
+        self.pending = self._submit(lmbda, version)
+        return batch
+
+    def _submit(self, lmbda: float, version: int) -> Future:
+        on_policy, drawn = self.sampler.on_policy(lmbda), self.sampler.draw(self.batch_size)
+        model = self.student if self.rollout_model is None else self.rollout_model  # the engine copies the student
+        return self.executor.submit(self._make, model, on_policy, version, drawn)
+
+    def _sync(self, version: int) -> None:
+        if self.engine is not None:
+            self.sync_seconds = self.engine.sync(self.student, version)
+            return
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for dst, src in zip(self.rollout_model.parameters(), self.student.parameters()):
+                dst.copy_(src)
+        self.sync_seconds = time.perf_counter() - t0
+
+    def drain(self) -> Batch | None:
+        """The batch generated ahead (with ``overlap``), waited for and kept pending: what a checkpoint must hold
+        so that a resumed merge learns from the same batches. None without overlap or before the first batch."""
+        return None if self.pending is None else self.pending.result()
+
+    def prime(self, batch: Batch | None) -> None:
+        """Make ``batch`` (a checkpoint's :meth:`drain`) the batch generated ahead."""
+        if batch is not None:
+            self.pending = Future()
+            self.pending.set_result(batch)
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The background thread's generator state (None without overlap); take it after :meth:`drain`."""
+        return None if self.generator is None else self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if self.generator is not None and state is not None:
+            self.generator.set_state(state)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            if self.pending is not None:
+                self.pending.cancel()
+                try:
+                    self.pending.result()
+                except Exception:  # noqa: BLE001 - the batch is discarded either way
+                    pass
+            self.executor.shutdown(wait=True)
+            self.pending = None
+
+
+TeacherScores = dict[str, TeacherScore]
+
+
+def score_with_teachers(
+    teachers: Mapping[str, Teacher],
+    groups: dict[str, list[int]],
+    rollout: Rollout,
+    logprobs: Mapping[str, int] | None = None,
+    costs: dict[str, list[float]] | None = None,
+) -> TeacherScores:
+    """Each teacher's :meth:`tasks.modeling.teacher.Teacher.score` of its rows of ``rollout`` (the student's exact sequences),
+    one call per teacher (``groups``: teacher -> row indices, as :meth:`teachers.router.Router.group` makes them; a
+    pool's :meth:`tasks.modeling.teacher_pool.TeacherPool.resident_first` orders them). ``logprobs`` (teacher -> -1 / k / 1,
+    :func:`tasks.modeling.engines.served_logprobs_k`) says how much of the distribution its rows' objectives read; default the
+    whole vocabulary.
+
+    ``costs`` (teacher -> [tokens scored, seconds], added to) accounts what each teacher cost, loading included."""
+    out = {}
+    for name, rows in groups.items():
+        t0 = time.perf_counter()
+        out[name] = teachers[name].score(TeacherBatch(rollout, rows, (logprobs or {}).get(name, ALL_VOCAB)))
+        if costs is not None:
+            cost = costs.setdefault(name, [0.0, 0.0])
+            cost[0] += float(rollout.attention_mask_B_T[torch.tensor(rows)].sum())
+            cost[1] += time.perf_counter() - t0
+    return out
+
+
+def extrapolate_scores(
+    scores: TeacherScores,
+    reference: PreTrainedModel,
+    rollout: Rollout,
+    scale: float,
+    costs: dict[str, list[float]] | None = None,
+) -> TeacherScores:
+    """Reward extrapolation (ExOPD): each teacher's scores become those of the target ``p_ref * (p_T / p_ref) **
+    scale`` (:class:`tasks.objectives.losses.ExtrapolatedHead`), with the reference model's hidden states on the same sequences
+    appended to the teacher's (one reference forward over the whole batch). ``costs["reference"]`` accounts it."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ref_B_T_H = forward_hidden(reference, rollout.sequences_B_T, rollout.attention_mask_B_T)
+    ref_head = reference.get_output_embeddings()
+    out = {}
+    for name, (rows, hidden_b_T_Ht, head) in scores.items():
+        out[name] = TeacherScore(rows, torch.cat([hidden_b_T_Ht, ref_B_T_H[torch.tensor(rows)]], dim=-1),
+                                 ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale))
+    if costs is not None:
+        cost = costs.setdefault("reference", [0.0, 0.0])
+        cost[0] += float(rollout.attention_mask_B_T.sum())
+        cost[1] += time.perf_counter() - t0
+    return out
+
+
+def sequence_advantages(rewards_B: torch.Tensor, routes: list[str], reward_weight: float) -> torch.Tensor:
+    """``reward_weight * (R_b - mean of R over the batch's rows of the same route)``: the verifier's outcome as a
+    sequence advantage with a per-route group baseline (GKD+RL). ``[B]``."""
+    adv_B = torch.zeros_like(rewards_B)
+    for r in set(routes):
+        idx = torch.tensor([i for i, x in enumerate(routes) if x == r])
+        adv_B[idx] = rewards_B[idx] - rewards_B[idx].mean()
+    return reward_weight * adv_B
+
+
+def update_step(
+    student: PreTrainedModel,
+    batch: Batch,
+    teacher_hidden: TeacherScores,
+    objectives: dict[str, Objective],
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    chunk_size: int = 16,
+    grad_clip: float = 1.0,
+    route_weights: dict[str, float] | None = None,
+    reward_weight: float = 0.0,
+    shard: slice | None = None,
+) -> StepStats:
+    """One optimizer step on ``batch``: rows are grouped by (teacher, route objective) and each group's objective is
+    summed over its response tokens; the total is divided by the batch's response tokens. ``route_weights`` scale a
+    route's tokens (default 1). A ``reward_weight`` adds the verifier outcome as a sequence advantage on on-policy
+    batches. Returns per-route statistics. A non-finite loss or gradient norm takes no step at all (``skipped``
+    in the statistics; the caller counts it).
+
+    ``shard`` (one rank's contiguous rows of a sharded student, :mod:`tasks.training.sharded`): only those rows are learned
+    from and ``teacher_hidden`` scores only them, while the normaliser and the reward baseline stay the whole batch's,
+    so the loss is these rows' share of the whole batch's and the ranks' summed gradients are its gradient; the
+    statistics cover these rows."""
+    t0 = time.perf_counter()
+    rollout, routes = batch.rollout, batch.routes
+    mine = shard or slice(0, len(routes))
+    route_weights = route_weights or {}
+    student.train()
+    # Position t predicts token t+1: drop the last position, and mask to positions whose next token is a response token.
+    student_hidden_b_T_H = forward_hidden(student, rollout.sequences_B_T[mine],
+                                          rollout.attention_mask_B_T[mine])[:, :-1]
+    mask_B_T = rollout.loss_mask_B_T()
+    total_tokens = max(int(mask_B_T.sum()), 1)
+    seq_adv_B = None
+    if reward_weight > 0 and batch.on_policy:
+        seq_adv_B = sequence_advantages(batch.rewards_B, routes, reward_weight)
+    loss = student_hidden_b_T_H.new_zeros(())
+    stats = StepStats(loss=0.0, tokens=total_tokens)
+    # In teacher-name order, whatever order they scored in (the pool loads resident ones first): the loss sums the
+    # same way every run, so a resumed merge stays bit-identical.
+    for name, (rows, hidden_b_T_H, teacher_head) in sorted(teacher_hidden.items()):
+        by_objective: dict[Objective, list[int]] = {}
+        for j, row in enumerate(rows):
+            by_objective.setdefault(objectives[routes[row]], []).append(j)
+        for obj, js in by_objective.items():
+            if obj.policy_gradient and (batch.tokens is None or not batch.on_policy):
+                raise ValueError(f"loss {obj.loss!r} needs on-policy rollouts with behaviour log-probs")
+            idx = torch.tensor([rows[j] for j in js])
+            tokens = None
+            if batch.tokens is not None and (obj.policy_gradient or seq_adv_B is not None):
+                tokens = TokenInputs(batch.tokens.targets_B_T[idx], batch.tokens.logq_behaviour_B_T[idx],
+                                     batch.tokens.logq_old_B_T[idx])
+            res = chunked_objective(
+                student_hidden_b_T_H[idx - mine.start],
+                hidden_b_T_H[torch.tensor(js), :-1],
+                student.get_output_embeddings(),
+                teacher_head,
+                mask_B_T[idx],
+                obj,
+                tokens=tokens,
+                seq_adv_B=None if seq_adv_B is None or tokens is None else seq_adv_B[idx],
+                weight_B=torch.tensor([route_weights.get(routes[i], 1.0) for i in idx.tolist()]),
+                chunk_size=chunk_size,
+                normalizer=total_tokens,
+                targets_B_T=rollout.sequences_B_T[idx, 1:],
+            )
+            loss = loss + res.loss
+            for k, row in enumerate(idx.tolist()):
+                r = routes[row]
+                stats.loss_sum[r] = stats.loss_sum.get(r, 0.0) + float(res.loss_sum_B[k])
+                stats.kl_sum[r] = stats.kl_sum.get(r, 0.0) + float(res.reverse_kl_sum_B[k])
+                stats.kl_tokens[r] = stats.kl_tokens.get(r, 0.0) + float(res.tokens_B[k])
+                for d, value in zip(DIAGNOSTICS, res.diagnostics_B_4[k].tolist()):
+                    getattr(stats, d)[r] = getattr(stats, d).get(r, 0.0) + value
+    for row in range(mine.start, mine.stop):
+        r = routes[row]
+        stats.sequences[r] = stats.sequences.get(r, 0) + 1
+        stats.truncated[r] = stats.truncated.get(r, 0) + int(rollout.truncated_B[row])
+        stats.reward_sum[r] = stats.reward_sum.get(r, 0.0) + float(batch.rewards_B[row])
+        ids = rollout.sequences_B_T[row][rollout.response_mask_B_T[row].bool()].tolist()
+        stats.repetition[r] = stats.repetition.get(r, 0.0) + repetition_rate(ids)
+        stats.length[r] = stats.length.get(r, 0.0) + len(ids)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # also on a non-finite loss: with a sharded student the backward is collective
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), grad_clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded: a DTensor
+    # A non-finite loss or gradient is skipped whole: no optimizer step (the weights and Adam moments stay finite) and
+    # no LR-schedule step; the caller counts it. The norm is global, so every rank of a sharded student agrees.
+    stats.skipped = not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)))
+    if stats.skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    student.eval()
+    stats.grad_norm = float(grad_norm)
+    stats.loss = float(loss.detach())
+    stats.seconds = {"update": time.perf_counter() - t0}
+    return stats
+
+
+def opd_step(
+    student: PreTrainedModel,
+    teachers: Mapping[str, Teacher],
+    tok: PreTrainedTokenizerBase,
+    prompts: list[str],
+    routes: list[str],
+    answers: list[str],
+    groups: dict[str, list[int]],
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    max_new_tokens: int,
+    objective: Objective = Objective(),
+    chunk_size: int = 16,
+    grad_clip: float = 1.0,
+    *,
+    verifiers: Mapping[str, Verifier],
+) -> StepStats:
+    """One plain on-policy step with one objective for every route: sample, score, update (``routes[i]`` is row i's
+    route, ``groups`` maps each teacher to the rows it scores)."""
+    t0 = time.perf_counter()
+    batch = sample_batch(student, tok, prompts, routes, answers, [max_new_tokens] * len(prompts), 0,
+                         objective.sample_temperature, objective.temperature, with_logprobs=objective.policy_gradient,
+                         verifiers=verifiers)
+    t1 = time.perf_counter()
+    hidden = score_with_teachers(teachers, groups, batch.rollout)
+    t2 = time.perf_counter()
+    stats = update_step(student, batch, hidden, {r: objective for r in set(routes)}, optimizer, scheduler,
+                        chunk_size, grad_clip)
+    stats.seconds.update(generate=t1 - t0, teacher=t2 - t1)
+    return stats

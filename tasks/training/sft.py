@@ -1,0 +1,97 @@
+"""Supervised fine-tuning on gold completions: base pre-training on the mixed world and per-route specialists."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from tasks.config import TrainConfig
+from tasks.modeling.rollout import position_ids_from_mask
+
+
+@dataclass
+class SFTBatch:
+    input_ids_B_T: torch.Tensor
+    attention_mask_B_T: torch.Tensor
+    labels_B_T: torch.Tensor  # -100 on prompt and padding
+
+
+def sft_batch(tok: PreTrainedTokenizerBase, prompts: list[str], completions: list[str]) -> SFTBatch:
+    """Left-padded ``prompt + completion + EOS``; the loss covers the completion and its EOS only."""
+    p_ids = tok(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = tok(completions, add_special_tokens=False)["input_ids"]
+    seqs = [p + c + [tok.eos_token_id] for p, c in zip(p_ids, c_ids)]
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+    for i, (s, p) in enumerate(zip(seqs, p_ids)):
+        ids[i, T - len(s):] = torch.tensor(s)
+        mask[i, T - len(s):] = 1
+        labels[i, T - len(s) + len(p):] = torch.tensor(s[len(p):])
+    return SFTBatch(ids, mask, labels)
+
+
+def sft_loss(model: PreTrainedModel, batch: SFTBatch) -> torch.Tensor:
+    out = model(
+        input_ids=batch.input_ids_B_T,
+        attention_mask=batch.attention_mask_B_T,
+        position_ids=position_ids_from_mask(batch.attention_mask_B_T),
+        labels=batch.labels_B_T,
+        use_cache=False,
+    )
+    return out.loss
+
+
+def make_optimizer(model: PreTrainedModel, lr: float, weight_decay: float, warmup: int, steps: int):
+    """AdamW with linear warmup then cosine decay to 0 (SFT and OPD alike)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    return opt, get_cosine_schedule_with_warmup(opt, warmup, steps)
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: list[str],
+    completions: list[str],
+    cfg: TrainConfig,
+    desc: str = "sft",
+    log_every: int = 50,
+    on_log=None,
+) -> list[float]:
+    """Train on (prompt, completion) pairs with AdamW; returns the loss of every step. Shows a progress bar."""
+    if not prompts:
+        raise ValueError(f"{desc}: no training rows")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    opt, sched = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.steps)
+    model.train()
+    losses: list[float] = []
+    order: list[int] = []
+    bar = tqdm(range(cfg.steps), desc=desc, mininterval=2.0, leave=True)
+    for step in bar:
+        if len(order) < cfg.batch_size:
+            fresh = list(range(len(prompts)))
+            rng.shuffle(fresh)
+            order.extend(fresh)
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
+        loss = sft_loss(model, sft_batch(tok, [prompts[i] for i in idx], [completions[i] for i in idx]))
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"{desc}: loss is {loss.item()} at step {step}")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % log_every == 0 or step == cfg.steps - 1:
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+            if on_log is not None:
+                on_log(step, loss.item())
+    model.eval()
+    return losses

@@ -1,0 +1,115 @@
+"""Train one specialist per route from the shared base, evaluate it on the route's held-out prompts, register it.
+
+Two trainers, picked by the recipe's type: a :class:`TrainConfig` fine-tunes on the route's gold completions (sft), an
+:class:`RLConfig` runs GRPO from the base with the route's verifier as the reward (rl, an RLVR teacher). Both end in
+the same evaluation, checkpoint and MLflow record."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from prefect import task
+
+from tasks.common.log import say
+from tasks.config import RLConfig, TrainConfig
+from tasks.evaluation.evaluate import RouteScore, evaluate_route
+from tasks.modeling.models import load_model, save_model
+from tasks.common.paths import models_dir, state_cache_policy
+from tasks.specs.prompt_set import load_prompt_set
+from tasks.specs.tokenizer import load_tokenizer
+from tasks.tracking.runs import config_params, end_run, log_metrics, start_run, tracking_uri
+
+
+SPECIALISTS_EXPERIMENT = "opd-specialists"
+
+Recipe = TrainConfig | RLConfig  # how a specialist is trained: sft on gold completions, or rl (GRPO)
+
+
+def trainer_of(recipe: Recipe) -> str:
+    """``"sft"`` or ``"rl"``: the trainer a recipe runs."""
+    return "rl" if isinstance(recipe, RLConfig) else "sft"
+
+
+def specialist_dir(prompt_set: str, route: str, base_fingerprint: str, recipe: Recipe) -> Path:
+    # An sft specialist keeps the key it always had (finished folders stay valid); an rl one adds the trainer, so
+    # the two never share a folder whatever their configs hash to.
+    rl = trainer_of(recipe) == "rl"
+    key_src = f"{prompt_set}|{route}|{base_fingerprint}|{'rl|' if rl else ''}{recipe.config_hash()}"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:12]
+    folder = route.replace(" ", "_")
+    return models_dir() / "specialists" / (f"{folder}-rl-{key}" if rl else f"{folder}-{key}")
+
+
+def log_eval(run_id: str, model, tok, route: str, verify, ev, cap: int, step: int) -> RouteScore:
+    """Greedy accuracy on the route's held-out prompts (``verify``: its verifier), logged as ``accuracy/<route>`` at
+    ``step``."""
+    score = evaluate_route(model, tok, verify, list(ev["prompt"]), list(ev["answer"]), cap)
+    log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length}, step)
+    return score
+
+
+def train_rl(model, tok, route: str, verify, tr, ev, cap: int, rl: RLConfig, run_id: str) -> None:
+    """GRPO from the base on the route's training prompts with its verifier as the reward. Logs the mean reward,
+    loss and response tokens of every step, and the held-out accuracy at step 0 and every ``rl.eval_every`` steps
+    (the caller evaluates the last step)."""
+    from tasks.training.rl import run_grpo
+
+    def on_step(st) -> None:
+        log_metrics(run_id, {f"rl/reward/{route}": st.reward[route], "train/loss": st.loss,
+                             "rollout/tokens": st.rollout_tokens}, st.step)
+        if st.step % rl.eval_every == 0 and st.step < rl.steps:
+            acc = log_eval(run_id, model, tok, route, verify, ev, cap, st.step).accuracy
+            say(f"specialist {route} (rl) step {st.step}/{rl.steps}: reward {st.reward[route]:.3f}, accuracy {acc:.3f}")
+
+    log_eval(run_id, model, tok, route, verify, ev, cap, 0)
+    run_grpo(model, tok, {route: (list(tr["prompt"]), list(tr["answer"]))}, rl, cap, on_step,
+             verifiers={route: verify})
+
+
+# Cached on every input (the base is identified by its weights' fingerprint, not its path; the recipe by its type and
+# fields, so sft and rl never share an entry), on this code and on the state folder: a rerun with the same inputs
+# returns the finished specialist without training it again.
+@task(
+    name="train-specialist",
+    task_run_name="train-specialist-{route}",
+    cache_policy=state_cache_policy(),
+    persist_result=True,
+    retries=0,
+)
+def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprint: str, train: Recipe) -> dict:
+    """Train a copy of the base on one route (``train``: the sft or rl recipe); returns the checkpoint URI and
+    held-out accuracy."""
+    from tasks.training.sft import train_sft
+
+    trainer = trainer_of(train)
+    tok = load_tokenizer(base_uri)
+    ps = load_prompt_set(prompt_set)
+    tr, ev = ps.rows("train")[route], ps.rows("eval")[route]
+    if len(tr) == 0:
+        raise ValueError(f"route {route}: no training prompts in {prompt_set}")
+    verify = ps.verifier(route)
+    model = load_model(base_uri)
+    cap = ps.cap(route)
+    run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}" if trainer == "sft" else f"specialist-rl-{route}",
+                       {**config_params(train), "trainer": trainer, "route": route, "base_uri": base_uri,
+                        "base_fingerprint": base_fingerprint})
+    try:
+        if trainer == "sft":
+            train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
+                      on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
+        else:
+            train_rl(model, tok, route, verify, tr, ev, cap, train, run_id)
+        score = log_eval(run_id, model, tok, route, verify, ev, cap, train.steps)
+        out = save_model(model, tok, specialist_dir(prompt_set, route, base_fingerprint, train))
+        MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
+    except BaseException:
+        end_run(run_id, status="FAILED")  # a failed attempt must not look in progress; a retry starts a new run
+        raise
+    end_run(run_id, {"model_uri": str(out), "process": f"{socket.gethostname()}:{os.getpid()}"})
+    say(f"specialist {route}{' (rl)' if trainer == 'rl' else ''}: accuracy {score.accuracy:.3f} on {score.n} held-out "
+        f"prompts -> {out}")
+    return {"route": route, "uri": str(out), "accuracy": score.accuracy, "mlflow_run_id": run_id}
