@@ -27,7 +27,7 @@ from tasks.modeling.engines import (  # noqa: E402
 from tasks.objectives.losses import Objective, TokenInputs, chunked_objective  # noqa: E402
 from tasks.modeling.models import create_model, save_model  # noqa: E402
 from tasks.modeling.rollout import forward_hidden, token_logprobs  # noqa: E402
-from tasks.specs.tokenizer import build_char_tokenizer  # noqa: E402
+from tasks.world.tokenizer import build_char_tokenizer  # noqa: E402
 from tests.figures import QUICK_MEAN_RETENTION_FLOOR  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -182,8 +182,13 @@ class _Window:
 
 
 class MergeLoop:
-    """State shared by the merge's stages: the student, its teachers, the prompt sampler, the global step (MLflow's
-    x-axis across the cold start and the on-policy stage) and the student version (optimizer steps taken).
+    """One merge, in three parts in the manner of torchtune's recipes. Setup (the constructor): the prompt set, the
+    student, the teachers behind :mod:`tasks.modeling.teacher`'s interface, the vLLM engines (started and checked for
+    parity here, never in the loop) and the merge's :class:`tasks.merging.merge_state.MergeState` (fresh, or the newest
+    checkpoint's). :meth:`train`: the baseline, the cold start and its gate, the on-policy stage and the last
+    evaluation; each :meth:`stage` is the training loop, which calls :meth:`log` (MLflow, and what an outage means)
+    and :meth:`_eval_metrics` (evaluation) rather than doing either itself. :meth:`cleanup`: engines, clients and
+    resident teachers released, whether training finished or failed.
 
     With ``opd.nproc > 1`` each rank of the process group holds one (every rank runs the same calls on a sharded
     student, :mod:`tasks.training.sharded`) and only rank 0, the ``lead``, logs.
