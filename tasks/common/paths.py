@@ -55,8 +55,9 @@ def specs_dir() -> Path:
 
 
 def write_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, then renamed over ``path``, so a
-    reader (another process, a crash halfway) sees the whole old file, the whole new one or none."""
+    """Write ``text`` to ``path`` atomically and durably: a temporary file in the same folder, fsynced, then renamed
+    over ``path`` and the folder fsynced, so a reader (another process, a crash halfway) sees the whole old file, the
+    whole new one or none, and a committed write survives a power loss."""
     import tempfile
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,11 +65,18 @@ def write_atomic(path: Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would outlive the rename
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
     return path
 
 

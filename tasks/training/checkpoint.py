@@ -51,7 +51,7 @@ from tasks.config import MergeConfig, flatten
 from tasks.training.distill import Batch
 from tasks.objectives.losses import TokenInputs
 from tasks.modeling.rollout import Rollout
-from tasks.common.paths import state_dir
+from tasks.common.paths import state_dir, write_atomic
 
 FORMAT = 1
 KEEP = 2  # committed checkpoints kept: the newest and the one before
@@ -137,11 +137,11 @@ class MergeCheckpoints:
         for p in self.root.iterdir() if self.root.exists() else ():
             if p.name != "lock":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
-        atomic_write_text(self.root / "run.json", json.dumps({"run_id": run_id}) + "\n")
+        write_atomic(self.root / "run.json", json.dumps({"run_id": run_id}) + "\n")
 
     def finish(self, record: dict) -> None:
         """Mark the merge finished (``record``: its run id and result) and remove its checkpoints."""
-        atomic_write_text(self.root / "done.json", json.dumps(record, indent=2) + "\n")
+        write_atomic(self.root / "done.json", json.dumps(record, indent=2) + "\n")
         for p in self._committed():
             shutil.rmtree(p)
         (self.root / "latest").unlink(missing_ok=True)
@@ -189,24 +189,13 @@ class MergeCheckpoints:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync(self.root)
-        atomic_write_text(self.root / "latest", name + "\n")
+        write_atomic(self.root / "latest", name + "\n")
         for old in self._committed()[:-KEEP]:
             shutil.rmtree(old)
         return final
 
     def _committed(self) -> list[Path]:
         return sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.exists() else []
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a reader (or a crash) sees the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
 
 
 def _fsync(path: Path) -> None:
