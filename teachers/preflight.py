@@ -23,6 +23,7 @@ from tasks.preflight import (
     check_checkpoint,
     credential_problems,
     finish,
+    first_prompt_messages,
     spec_problems,
     teacher_problems,
 )
@@ -100,7 +101,8 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
         student_fp = cache(lambda: checkpoint_fingerprint_of(student.uri))  # read once, only if a provenance names it
         for rec in router.teachers():
             eval_prompts = held_out[rec.route][0] if rec.route in held_out else None
-            problems += teacher_problems(rec, student, str(registry.path), eval_prompts, current, student_fp)
+            problems += teacher_problems(rec, student, str(registry.path), eval_prompts, current, student_fp,
+                                         lambda route=rec.route: first_prompt_messages(ps, route))
     return finish(problems, report, say_warnings)
 
 
@@ -108,7 +110,13 @@ def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
     """Check what the pipeline reads before it trains anything: the route spec and its prompt set, the registry it
     will write the specialists into (a bad file would only fail after every specialist trained) and the teacher names it will
     give them. Raises :class:`InputError` listing every problem."""
-    ps, problems = spec_problems(cfg, cfg.base_model, cfg.model.max_positions)
+    from tasks.modeling.convert import ConversionError, resolve_base
+
+    try:
+        base_model = resolve_base(cfg.base_model)
+    except ConversionError as e:
+        return finish([Problem(CONFIG, "base_model", str(e))], Report(), say_warnings)
+    ps, problems = spec_problems(cfg, base_model, cfg.model.max_positions)
     problems += registry_problems(registry)[1]
     prefix = cfg.specialists("").name_prefix
     for route in (ps.routes if ps is not None else []):

@@ -245,8 +245,7 @@ class TeacherRegistry:
         transformers forward within ``parity_tol`` on a few fixed sequences.
         """
         # Imported here so that list/show/remove (and the CLI) do not pay for importing transformers.
-        from transformers import AutoConfig
-
+        from tasks.modeling.models import model_config
         from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
 
         uri = str(model_uri)
@@ -265,7 +264,7 @@ class TeacherRegistry:
         # transformers raises OSError, ValueError, KeyError, ... depending on what is missing; all mean "not loadable".
         config = teacher_tok = None
         try:
-            config = AutoConfig.from_pretrained(uri, trust_remote_code=trust_remote_code)
+            config = model_config(uri, trust_remote_code=trust_remote_code)  # an adapter: its base's
         except Exception as e:
             problems.append(f"config does not load: {type(e).__name__}: {_first_line(e)}")
         try:

@@ -138,7 +138,7 @@ def test_the_import_graph_of_tasks_and_teachers_has_no_cycle():
 
 # The concerns of tasks/, bottom to top: each imports only those before it (tasks.config, tasks.cli and
 # tasks.preflight sit directly in tasks/, each its own place in the order).
-LAYERS = ["tasks.common", "tasks.objectives", "tasks.specs", "tasks.world", "tasks.modeling", "tasks.config",
+LAYERS = ["tasks.common", "tasks.objectives", "tasks.specs", "tasks.world", "tasks.gym", "tasks.modeling", "tasks.config",
           "tasks.cli", "tasks.tracking", "tasks.evaluation", "tasks.training", "tasks.merging", "tasks.preflight",
           "tasks.bench"]
 

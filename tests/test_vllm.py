@@ -153,6 +153,38 @@ def start_server(model_dir: str, name: str) -> tuple[subprocess.Popen, str]:
     raise TimeoutError("vllm server not healthy after 240 s")
 
 
+def test_a_padded_rollout_engine_never_samples_its_padding_and_stops_on_every_stop_id(tmp_path):
+    # A real tokenizer (SmolLM2's, 49,152 tokens) and a head padded 64 rows past it, the padding's logits of order
+    # 1e3: the engine samples real tokens only, its behaviour log-probs are over those, and a generation config
+    # stopping on [<|im_end|>, <|endoftext|>] ends a response on either.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.specs.tokenizer import load_tokenizer
+    from tests.test_real_tokenizer import PROMPTS as TEXT_PROMPTS, SMOLLM2
+
+    tok = load_tokenizer(SMOLLM2)
+    V = len(tok)
+    config = LlamaConfig(vocab_size=V + 64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=[2, 0], pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[V:] *= 1e3 / model.lm_head.weight[V:].abs().mean()
+    save_model(model, tok, tmp_path / "padded")
+    engine = VLLMRollout(str(tmp_path / "padded"), tok, eos=(2, 0))
+    rollout, logq_B_T = engine.generate(TEXT_PROMPTS, [8] * len(TEXT_PROMPTS))
+    assert int(rollout.sequences_B_T.max()) < V
+    (hf_B_T,) = token_logprobs(model, rollout, (1.0,), vocab_size=V)
+    assert _masked_max_gap(logq_B_T, hf_B_T, rollout.loss_mask_B_T()) < TOL
+    with torch.no_grad():  # every logit 0: greedy picks id 0, <|endoftext|>, which ends the response
+        model.model.norm.weight.zero_()
+    engine.sync(model, 1)
+    rollout, _ = engine.generate(TEXT_PROMPTS, [8] * len(TEXT_PROMPTS), greedy=True)
+    assert rollout.sequences_B_T[:, rollout.prompt_width:].tolist() == [[0]] * len(TEXT_PROMPTS)
+    assert not rollout.truncated_B.any()
+
+
 @pytest.fixture(scope="module")
 def teacher_server(ckpts):
     proc, url = start_server(ckpts["teacher"][0], "teacher")

@@ -149,7 +149,8 @@ def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok) -> tuple[
                 t0 = time.perf_counter()
             batch = producer.next(1.0, i)
             hidden = score_with_teachers(checkpoint_teachers({"teacher": teacher}), {"teacher": list(range(B))}, batch.rollout)
-            stats = update_step(student, batch, hidden, objectives, optimizer, scheduler, cfg.chunk_size, 1.0)
+            stats = update_step(student, batch, hidden, objectives, optimizer, scheduler, cfg.chunk_size, 1.0,
+                                vocab_size=len(tok))
             tokens += stats.tokens if i >= cfg.warmup else 0
         seconds = time.perf_counter() - t0
     finally:

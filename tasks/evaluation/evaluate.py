@@ -117,6 +117,14 @@ def retention(student_acc: float, teacher_acc: float) -> float:
     return student_acc / teacher_acc if teacher_acc > 0 else 0.0
 
 
+def gain_recovered(student_acc: float, teacher_acc: float, base_acc: float) -> float | None:
+    """The share of the specialist's gain over the base that the student kept: (student - base) / (teacher - base),
+    on the same prompts and verifier; negative when the student ends below the base, None when the teacher gained
+    nothing over the base (no gain to recover)."""
+    gain = teacher_acc - base_acc
+    return (student_acc - base_acc) / gain if gain > 0 else None
+
+
 def route_mean(per_route: Mapping[str, float] | Iterable[float]) -> float:
     """The mean over routes, each route counting once whatever its number of prompts: the one mean behind every
     ``<metric>/mean`` in MLflow, the tables' mean and the registered student's ``mean_retention``."""

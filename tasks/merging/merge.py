@@ -44,6 +44,7 @@ from tasks.training.distill import (
 )
 from tasks.evaluation.evaluate import (
     GateResult,
+    gain_recovered,
     RouteScore,
     compliance_gate,
     evaluate_route,
@@ -56,7 +57,8 @@ from tasks.evaluation.evaluate import (
 )
 from tasks.objectives.losses import DIAGNOSTICS, Objective
 from tasks.merging.merge_state import MergeState
-from tasks.modeling.models import checkpoint_fingerprint, load_model, save_model
+from tasks.modeling.models import checkpoint_fingerprint, load_model
+from tasks.modeling.rollout import eos_ids
 from tasks.common.paths import models_dir
 from tasks.specs.prompt_set import load_prompt_set
 from tasks.training.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
@@ -64,7 +66,7 @@ from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tasks.modeling.routing import Routing, TeacherRecord, registry_fingerprint
 from tasks.modeling.teacher import make_teachers, teacher_kind
 from tasks.modeling.teacher_pool import TeacherPool
-from tasks.training.sft import make_optimizer
+from tasks.training.sft import make_optimizer, save_trained, with_lora
 from tasks.tracking.runs import (
     STUDENT_MODEL,
     config_params,
@@ -208,7 +210,11 @@ class MergeLoop:
         self.labels = {r: self.ps.labels(r) for r in self.routes}
         self.tok = load_tokenizer(cfg.student_uri)
         student_fp = tokenizer_fingerprint(self.tok)
-        self.student = load_model(cfg.student_uri).eval()
+        # A LoRA student (opd.lora_rank > 0) trains a fresh peft adapter on the frozen initialisation.
+        self.student = with_lora(load_model(cfg.student_uri), opd).eval()
+        # What ends a response in this merge (rollouts, teacher samples, truncation flags): the tokenizer's EOS and
+        # every stop id of the student's generation config. The vocabulary is len(self.tok), whatever the heads' width.
+        self.eos = eos_ids(self.tok, self.student)
         # ExOPD's reference (reward_scale != 1): frozen, loaded before the student's resumed weights replace its init.
         self.reference = (load_model(opd.reference_uri or cfg.student_uri).eval()
                           if opd.reward_scale != 1.0 else None)
@@ -241,7 +247,7 @@ class MergeLoop:
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind.
         self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok))
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
-                                       opd.sample_temperature, verifiers=self.verifiers)
+                                       opd.sample_temperature, verifiers=self.verifiers, eos=self.eos)
         self.window = _Window(self.state.window)
         self.planned = opd.cold_start_steps + opd.steps
         self.progress = Progress("merge-progress", f"merge {run_id}: optimizer steps done")
@@ -265,7 +271,7 @@ class MergeLoop:
         engine = servers = None
         if opd.rollout_backend == "vllm":
             t0 = time.perf_counter()
-            engine = VLLMRollout(cfg.student_uri, self.tok, opd.seed, opd.vllm_kv_cache_mb)
+            engine = VLLMRollout(cfg.student_uri, self.tok, opd.seed, opd.vllm_kv_cache_mb, self.eos)
             gap = logprob_parity(engine, self.student, seqs)
             check_parity("the student's rollout engine", cfg.student_uri, gap, opd.parity_tol)
             log_metrics(self.run_id, {"parity/rollout_engine": gap, "time/engine_start": time.perf_counter() - t0}, 0)
@@ -372,14 +378,15 @@ class MergeLoop:
                                                  served_k, self.state.teacher_costs)
                     if self.reference is not None:
                         hidden = extrapolate_scores(hidden, self.reference, batch.rollout, opd.reward_scale,
-                                                    self.state.teacher_costs)
+                                                    self.state.teacher_costs, len(self.tok))
                     uses = 0
                     t_teacher = time.perf_counter() - t0 - t_batch
                 else:
                     t_batch = t_teacher = 0.0
                 staleness = self.state.version - batch.version if batch.on_policy else 0
                 st = update_step(self.student, batch, hidden, objectives, optimizer, scheduler,
-                                 opd.chunk_size, opd.grad_clip, opd.route_weights, opd.reward_weight, rows)
+                                 opd.chunk_size, opd.grad_clip, opd.route_weights, opd.reward_weight, rows,
+                                 vocab_size=len(self.tok))
                 if rows is not None:
                     st = sum_stats(st, self.routes)
                 uses += 1
@@ -625,12 +632,15 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
     rows = [
         {"route": r, "teacher": loop.teacher_of[r], "base_accuracy": base_scores[r].accuracy,
          "teacher_accuracy": loop.state.teacher_acc[r], "student_accuracy": scores[r].accuracy,
-         "retention": retention(scores[r].accuracy, loop.state.teacher_acc[r])}
+         "retention": retention(scores[r].accuracy, loop.state.teacher_acc[r]),
+         "gain_recovered": gain_recovered(scores[r].accuracy, loop.state.teacher_acc[r], base_scores[r].accuracy)}
         for r in routes
     ]
-    out = save_model(loop.student, loop.tok, models_dir() / "merged" / run_id, state_dict)
+    _, out = save_trained(loop.student, loop.tok, models_dir() / "merged" / run_id, state_dict)
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
     log_retention(run_id, rows, out)
+    log_metrics(run_id, {f"gain_recovered/{row['route']}": row["gain_recovered"] for row in rows
+                         if row["gain_recovered"] is not None}, opd.steps)
     mean = mean_retention(rows)
     # A merge killed after registering and resumed registers its student once.
     version = registered_version(STUDENT_MODEL, run_id) or register_version(STUDENT_MODEL, run_id, "student", {

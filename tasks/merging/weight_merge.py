@@ -8,7 +8,9 @@ Every method works on task vectors, the specialists' weight deltas from the base
 ``task_arithmetic`` sums the task vectors, ``ties`` trims, elects a sign and averages the survivors, ``dare`` drops
 entries at random and rescales before summing. Each is a pure function over state dicts (``dict[str, Tensor]``) and
 names the `mergekit <https://github.com/arcee-ai/mergekit>`_ method it corresponds to (with every expert's mergekit
-``weight: 1.0`` and ``lambda`` = our ``scale``). ``merge_checkpoints`` runs one on checkpoints and saves a normal
+``weight: 1.0`` and ``lambda`` = our ``scale``). These are for full-weight specialists, where peft has nothing to
+offer; LoRA specialists are merged by peft's own ``add_weighted_adapter`` (:func:`merge_adapters`).
+``merge_checkpoints`` runs one on checkpoints (picking peft when every expert carries its adapter) and saves a normal
 Hugging Face checkpoint::
 
     from tasks.merging.weight_merge import merge_checkpoints
@@ -32,6 +34,10 @@ StateDict = dict[str, torch.Tensor]
 
 METHODS = ("task_arithmetic", "ties", "dare")
 MERGEKIT_METHOD = {"task_arithmetic": "task_arithmetic", "ties": "ties", "dare": "dare_linear"}
+# LoRA specialists (their peft adapters in <checkpoint>/adapter) are merged by peft's own add_weighted_adapter:
+# ``cat`` stacks the adapters, so its delta is exactly the weighted sum of theirs (task arithmetic); ``ties`` and
+# ``dare_linear`` are peft's TIES and DARE on the adapters' A and B matrices.
+PEFT_COMBINATION = {"task_arithmetic": "cat", "ties": "ties", "dare": "dare_linear"}
 
 
 def check_compatible(base: StateDict, experts: Sequence[StateDict], labels: Sequence[str] | None = None) -> None:
@@ -139,12 +145,17 @@ def merge_checkpoints(
     from tasks.modeling.models import load_model, save_model
     from tasks.specs.tokenizer import compatibility_problems, load_tokenizer
 
+    # Experts that are LoRA fine-tunes (each with its peft adapter in <checkpoint>/adapter) go to peft's own
+    # adapter merging (merge_adapters); full-weight experts to the task-vector functions above.
     if method not in METHODS:
         raise ValueError(f"method {method!r} is not one of {list(METHODS)}")
     if not expert_uris:
         raise ValueError("no experts to merge: pass at least one expert checkpoint")
     if method != "task_arithmetic":
         _check_density(density)
+    adapters = [adapter_of(u) for u in expert_uris]
+    if all(adapters):
+        return merge_adapters(base_uri, adapters, method, out_dir, density, scale, seed)
     tok = load_tokenizer(base_uri)
     base_model = load_model(base_uri)
     arch = (base_model.config.model_type, list(base_model.config.architectures or []))
@@ -184,6 +195,47 @@ def merge_checkpoints(
         "scale": scale,
         "seed": seed if method == "dare" else None,
     }
+    (out / "weight_merge.json").write_text(json.dumps(record, indent=2) + "\n")
+    return str(out)
+
+
+def adapter_of(uri: str | Path) -> Path | None:
+    """The peft adapter a LoRA-trained checkpoint keeps beside its merged weights (``<uri>/adapter``), if any."""
+    from tasks.training.sft import ADAPTER
+
+    folder = Path(uri) / ADAPTER
+    return folder if (folder / "adapter_config.json").is_file() else None
+
+
+def merge_adapters(base_uri: str | Path, adapter_dirs: Sequence[str | Path], method: str, out_dir: str | Path,
+                   density: float = 0.5, scale: float = 1.0, seed: int = 0) -> str:
+    """Merge LoRA adapters of ``base_uri`` with peft's ``add_weighted_adapter`` (:data:`PEFT_COMBINATION`: every
+    adapter weighted ``scale``; ``density`` for TIES and DARE, ``seed`` for DARE's random drop), merged into the base
+    and saved like :func:`merge_checkpoints`'s result. ValueError when an adapter was trained on another base."""
+    from peft import PeftModel
+
+    from tasks.modeling.models import load_model, save_model
+    from tasks.specs.tokenizer import load_tokenizer
+
+    for folder in adapter_dirs:
+        trained_on = json.loads((Path(folder) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if trained_on and Path(str(trained_on)).resolve() != Path(base_uri).resolve():
+            raise ValueError(f"adapter {folder} was trained on {trained_on}, not on the base {base_uri}")
+    names = [f"expert{i}" for i in range(len(adapter_dirs))]
+    model = PeftModel.from_pretrained(load_model(base_uri), str(adapter_dirs[0]), adapter_name=names[0])
+    for name, folder in zip(names[1:], adapter_dirs[1:]):
+        model.load_adapter(str(folder), adapter_name=name)
+    combination = PEFT_COMBINATION[method]
+    torch.manual_seed(seed)  # peft's DARE draws its drop mask from torch's global generator
+    model.add_weighted_adapter(names, [scale] * len(names), "merged", combination_type=combination,
+                               **({"density": density} if method != "task_arithmetic" else {}))
+    model.set_adapter("merged")
+    for name in names:
+        model.delete_adapter(name)
+    out = save_model(model.merge_and_unload(), load_tokenizer(base_uri), out_dir)
+    record = {"method": method, "peft_combination": combination, "base_uri": str(base_uri),
+              "adapters": [str(a) for a in adapter_dirs], "density": density if method != "task_arithmetic" else None,
+              "scale": scale, "seed": seed if method == "dare" else None}
     (out / "weight_merge.json").write_text(json.dumps(record, indent=2) + "\n")
     return str(out)
 

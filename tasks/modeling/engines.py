@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.modeling.rollout import Rollout, rollout_from_responses, token_logprobs
+from tasks.modeling.rollout import Rollout, Stop, eos_ids, rollout_from_responses, token_logprobs
 
 # Prompt log-probs over the whole vocabulary (vLLM's -1), for full-distribution objectives.
 ALL_VOCAB = -1
@@ -92,11 +92,19 @@ def _prompt_ids(tok: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[li
 
 
 class VLLMRollout:
-    """The student's rollout engine: sample with vLLM, push weights after each update."""
+    """The student's rollout engine: sample with vLLM, push weights after each update. ``eos``: the ids a response
+    stops at (default the tokenizer's EOS; the merge gives :func:`tasks.modeling.rollout.eos_ids` of the student). A
+    head padded past ``len(tok)`` never samples its padding (``allowed_token_ids``)."""
 
-    def __init__(self, model_dir: str, tok: PreTrainedTokenizerBase, seed: int = 0, kv_cache_mb: int = 64):
+    def __init__(self, model_dir: str, tok: PreTrainedTokenizerBase, seed: int = 0, kv_cache_mb: int = 64,
+                 eos: Stop | None = None):
+        from transformers import AutoConfig
+
         vllm = import_vllm()
         self.tok, self.seed = tok, seed
+        self.eos = list(eos_ids(tok)) if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        padded = AutoConfig.from_pretrained(str(model_dir)).vocab_size > len(tok)
+        self.allowed = list(range(len(tok))) if padded else None
         self.llm = vllm.LLM(**engine_args(model_dir, seed, kv_cache_mb, max_logprobs=len(tok)))
         self.SamplingParams, self.TokensPrompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
         self.sync_seconds = 0.0
@@ -122,7 +130,6 @@ class VLLMRollout:
         """One completion per prompt, each capped at its own ``caps_B[b]`` tokens (no top-k/top-p truncation), and
         the sampled tokens' log-probs at ``temperature`` laid out like :func:`tasks.modeling.rollout.token_logprobs`:
         ``[B, T-1]``, position t scoring token t+1 (0 off the response)."""
-        eos = self.tok.eos_token_id
         ids = _prompt_ids(self.tok, prompts)
         params = []
         for cap in caps_B:
@@ -130,10 +137,11 @@ class VLLMRollout:
             self.requests += 1
             params.append(self.SamplingParams(
                 temperature=0.0 if greedy else temperature, top_k=0, top_p=1.0, max_tokens=int(cap), logprobs=0,
-                stop_token_ids=[eos], detokenize=False, seed=self.seed * 1_000_003 + self.requests))
+                stop_token_ids=self.eos, allowed_token_ids=self.allowed, detokenize=False,
+                seed=self.seed * 1_000_003 + self.requests))
         outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outs]
-        rollout = rollout_from_responses(self.tok, list(prompts), responses)
+        rollout = rollout_from_responses(self.tok, list(prompts), responses, self.eos)
         logq_B_T = torch.zeros(rollout.sequences_B_T.shape[0], rollout.sequences_B_T.shape[1] - 1)
         P = rollout.prompt_width
         for b, o in enumerate(outs):
@@ -211,7 +219,9 @@ class ServedHead(torch.nn.Module):
     "logits" ``[..., V]``: the served tokens get their log-probs and the unserved rest of the vocabulary shares the
     remaining mass evenly. With the whole vocabulary served this is the teacher's exact distribution; with the top k
     it is exact on the top k (all that top-k objectives and the sampled-token advantage read). Positions with
-    nothing served (padding) come out uniform, finite."""
+    nothing served (padding) come out uniform, finite. ``vocab_size`` is the tokenizer's (``len(tok)``), the one the
+    student's logits are cut to: ids a padded teacher head serves past it are dropped when packing
+    (:func:`pack_prompt_logprobs`)."""
 
     def __init__(self, vocab_size: int):
         super().__init__()
@@ -235,11 +245,15 @@ class ServedHead(torch.nn.Module):
 
 
 def pack_prompt_logprobs(
-    served: list[list[dict[int, float] | None]], rollout: Rollout, rows: list[int]
+    served: list[list[dict[int, float] | None]], rollout: Rollout, rows: list[int], vocab_size: int | None = None
 ) -> torch.Tensor:
     """Served prompt log-probs of ``rows`` of ``rollout`` (each sent as its real tokens only) placed at the hidden
     positions that predict them: ``[b, T, 3K]`` (see :class:`ServedHead`). Entry i of a sequence predicts its real
-    token i, so it lands on the position of real token i-1."""
+    token i, so it lands on the position of real token i-1. Ids at or past ``vocab_size`` (a padded head's, served
+    with the whole vocabulary) are no token and are dropped."""
+    if vocab_size is not None:
+        served = [[d if d is None else {t: lp for t, lp in d.items() if t < vocab_size} for d in seq]
+                  for seq in served]
     T = rollout.sequences_B_T.shape[1]
     K = max((len(d) for seq in served for d in seq if d), default=1)
     packed_b_T_3K = torch.zeros(len(rows), T, 3 * K)
@@ -301,7 +315,7 @@ def rollout_with_logprobs(
     rollout, logq_beh_B_T = engine.generate(prompts, caps_B, sample_temperature)
     if divergence_temperature == sample_temperature:
         return rollout, logq_beh_B_T, logq_beh_B_T
-    (logq_old_B_T,) = token_logprobs(model, rollout, (divergence_temperature,))
+    (logq_old_B_T,) = token_logprobs(model, rollout, (divergence_temperature,), vocab_size=len(engine.tok))
     return rollout, logq_beh_B_T, logq_old_B_T
 
 

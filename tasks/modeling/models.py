@@ -10,6 +10,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from tasks.common.adapters import adapter_base
+from tasks.specs.tokenizer import remote_code_refusal
+
 hf_logging.disable_progress_bar()  # one "Loading weights" bar per teacher load drowns the training progress bars
 
 # Honour OMP_NUM_THREADS even when torch was imported before tasks/__init__ set it (tiny models: 1 thread is fastest).
@@ -54,11 +57,25 @@ def create_model(
 
 
 def load_model(uri: str | Path, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a causal LM by local path or hub id, safetensors weights only."""
+    """Load a causal LM by local path or hub id, safetensors weights only; a LoRA adapter folder (peft's format)
+    loads as its base with the adapter merged in. A folder whose config names its own code
+    (``auto_map``) is refused unless ``trust_remote_code`` is granted
+    (:func:`tasks.specs.tokenizer.remote_code_refusal`)."""
+    base = adapter_base(uri)
+    if base is not None:  # a LoRA adapter folder: its base with the adapter merged in (what scores and samples)
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(load_model(base, trust_remote_code, dtype), str(uri)).merge_and_unload()
+    remote_code_refusal(uri, ("config.json",), trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         str(uri), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
     )
     return model
+
+
+def model_config(uri: str | Path, trust_remote_code: bool = False):
+    """The transformers config of a checkpoint, or of an adapter folder's base."""
+    return AutoConfig.from_pretrained(adapter_base(uri) or str(uri), trust_remote_code=trust_remote_code)
 
 
 def save_model(

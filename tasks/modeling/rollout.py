@@ -1,14 +1,27 @@
 """Generation with transformers: student rollouts (sampled) and evaluation (greedy), left-padded prompts.
 
 Every sequence tensor here is ``[B, P + R]``: a left-padded prompt block of width P, then R generated positions.
+
+Real checkpoints differ from a tokenizer in two ways handled here. Their head may be padded past the tokenizer
+(``config.vocab_size`` > ``len(tok)``, a multiple of 64 or 128): the real vocabulary is ``len(tok)``, generation never
+emits an id past it (:class:`RealVocabulary`) and log-probs are taken over it alone. And they may stop on several
+tokens (``generation_config.eos_token_id`` a list, e.g. ``<|im_end|>`` and ``<|endoftext|>``): :func:`eos_ids` is
+that set, and a response ends at the first of any of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 
 def position_ids_from_mask(attention_mask_B_T: torch.Tensor) -> torch.Tensor:
@@ -33,11 +46,46 @@ class Rollout:
         return self.response_mask_B_T[:, 1:]
 
 
-def response_mask(generated_B_R: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 up to and including the first EOS of each row, 0 after it (all 1 when no EOS: a truncated response)."""
-    is_eos = (generated_B_R == eos_id).long()
-    after_first_eos = (is_eos.cumsum(-1) - is_eos) > 0
+# The token id, or the ids, that end a response (any one of them does).
+Stop = int | Sequence[int]
+
+
+def eos_ids(tok: PreTrainedTokenizerBase, model: PreTrainedModel | GenerationConfig | None = None) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's EOS, then every id of ``model``'s
+    ``generation_config.eos_token_id`` (an int or a list: SmolLM2-style checkpoints stop on ``<|im_end|>`` and
+    ``<|endoftext|>``; a ``GenerationConfig`` itself will do), without repeats. What generation stops on, and what
+    masks and truncation flags read as the end."""
+    ids = [tok.eos_token_id]
+    extra = getattr(getattr(model, "generation_config", model), "eos_token_id", None)
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def is_eos(ids: torch.Tensor, eos: Stop) -> torch.Tensor:
+    """Where ``ids`` holds one of the stop ids ``eos`` (a bool tensor of its shape)."""
+    return torch.isin(ids, torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=ids.dtype))
+
+
+def response_mask(generated_B_R: torch.Tensor, eos: Stop) -> torch.Tensor:
+    """1 up to and including the first EOS (any id of ``eos``) of each row, 0 after it (all 1 when no EOS: a
+    truncated response)."""
+    is_eos_B_R = is_eos(generated_B_R, eos).long()
+    after_first_eos = (is_eos_B_R.cumsum(-1) - is_eos_B_R) > 0
     return (~after_first_eos).long()
+
+
+class RealVocabulary(LogitsProcessor):
+    """Bans the ids of a padded head past the tokenizer's ``vocab_size`` (``-inf``): they are no token, and one
+    generated would not decode, nor mean anything to a teacher."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, input_ids: torch.LongTensor, scores_B_V: torch.FloatTensor) -> torch.FloatTensor:
+        if scores_B_V.shape[-1] > self.vocab_size:
+            scores_B_V = scores_B_V.clone()
+            scores_B_V[:, self.vocab_size:] = float("-inf")
+        return scores_B_V
 
 
 class PrivateSampler(LogitsProcessor):
@@ -65,36 +113,41 @@ def generate(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> Rollout:
-    """Sample (temperature, no top-k/top-p truncation) or decode greedily one completion per prompt. Samples draw
-    from torch's global generator, or from ``generator`` when given (:class:`PrivateSampler`): code sampling in
-    threads side by side passes its own to stay reproducible."""
+    """Sample (temperature, no top-k/top-p truncation) or decode greedily one completion per prompt, stopping at any
+    of :func:`eos_ids` and never emitting an id of a padded head past ``len(tok)`` (:class:`RealVocabulary`).
+    Samples draw from torch's global generator, or from ``generator`` when given (:class:`PrivateSampler`): code
+    sampling in threads side by side passes its own to stay reproducible."""
     was_training = model.training
     model.eval()
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    processors = LogitsProcessorList([RealVocabulary(len(tok))])  # before the sampler: its noise keeps -inf banned
     if greedy:
         kwargs = dict(do_sample=False)
     elif generator is not None:
-        kwargs = dict(do_sample=False, logits_processor=LogitsProcessorList([PrivateSampler(temperature, generator)]))
+        processors.append(PrivateSampler(temperature, generator))
+        kwargs = dict(do_sample=False)
     else:
         kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    eos = eos_ids(tok, model)
     out_B_T = model.generate(
         input_ids=enc.input_ids,
         attention_mask=enc.attention_mask,
         max_new_tokens=max_new_tokens,
         pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
+        eos_token_id=list(eos) or None,
+        logits_processor=processors,
         **kwargs,
     )
     model.train(was_training)
     P = enc.input_ids.shape[1]
-    return _assemble(out_B_T, enc.attention_mask, response_mask(out_B_T[:, P:], tok.eos_token_id), tok.eos_token_id)
+    return _assemble(out_B_T, enc.attention_mask, response_mask(out_B_T[:, P:], eos), eos)
 
 
-def _assemble(sequences_B_T: torch.Tensor, prompt_mask_B_P: torch.Tensor, resp_B_R: torch.Tensor, eos_id: int) -> Rollout:
+def _assemble(sequences_B_T: torch.Tensor, prompt_mask_B_P: torch.Tensor, resp_B_R: torch.Tensor, eos: Stop) -> Rollout:
     """A :class:`Rollout` from the full sequences, the (left-padded) prompt block's mask and the response mask; a row
-    is truncated when no EOS lies inside its response mask."""
+    is truncated when no EOS (any id of ``eos``) lies inside its response mask."""
     P = prompt_mask_B_P.shape[1]
-    truncated_B = ~((sequences_B_T[:, P:] == eos_id) & resp_B_R.bool()).any(-1)
+    truncated_B = ~(is_eos(sequences_B_T[:, P:], eos) & resp_B_R.bool()).any(-1)
     return Rollout(
         sequences_B_T,
         torch.cat([prompt_mask_B_P, resp_B_R], dim=1),
@@ -104,21 +157,24 @@ def _assemble(sequences_B_T: torch.Tensor, prompt_mask_B_P: torch.Tensor, resp_B
     )
 
 
-def cap_responses(rollout: Rollout, caps_B: list[int], eos_id: int) -> Rollout:
+def cap_responses(rollout: Rollout, caps_B: list[int], eos: Stop) -> Rollout:
     """Cut each row's response at its own cap (per-route ``max_new_tokens`` in one mixed batch generated to the
-    largest cap): tokens past the cap leave both masks, and a row without EOS inside its cap counts as truncated."""
+    largest cap): tokens past the cap leave both masks, and a row without EOS (any id of ``eos``, as the rollout was
+    generated with: :func:`eos_ids`) inside its cap counts as truncated."""
     R = rollout.sequences_B_T.shape[1] - rollout.prompt_width
     if all(c >= R for c in caps_B):
         return rollout
     P = rollout.prompt_width
     keep_B_R = (torch.arange(R)[None, :] < torch.tensor(caps_B)[:, None]).long()
     resp_B_R = rollout.response_mask_B_T[:, P:] * keep_B_R
-    return _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos_id)
+    return _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos)
 
 
-def rollout_from_responses(tok: PreTrainedTokenizerBase, prompts: list[str], responses: list[list[int]]) -> Rollout:
+def rollout_from_responses(tok: PreTrainedTokenizerBase, prompts: list[str], responses: list[list[int]],
+                           eos: Stop | None = None) -> Rollout:
     """A :class:`Rollout` over given response token ids (off-policy data: teacher samples or a dataset column), in
-    the same layout as :func:`generate`: left-padded prompts, then responses right-padded with the pad token."""
+    the same layout as :func:`generate`: left-padded prompts, then responses right-padded with the pad token. A
+    response is ended (not truncated) when it holds one of the stop ids ``eos`` (default the tokenizer's EOS)."""
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     R = max(1, max(map(len, responses)))
     gen_B_R = torch.full((len(responses), R), tok.pad_token_id, dtype=torch.long)
@@ -126,7 +182,8 @@ def rollout_from_responses(tok: PreTrainedTokenizerBase, prompts: list[str], res
         gen_B_R[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     lens_B = torch.tensor([len(ids) for ids in responses])
     resp_B_R = (torch.arange(R)[None, :] < lens_B[:, None]).long()
-    return _assemble(torch.cat([enc.input_ids, gen_B_R], dim=1), enc.attention_mask, resp_B_R, tok.eos_token_id)
+    return _assemble(torch.cat([enc.input_ids, gen_B_R], dim=1), enc.attention_mask, resp_B_R,
+                     eos_ids(tok) if eos is None else eos)
 
 
 def response_ids(rollout: Rollout) -> list[list[int]]:
@@ -152,16 +209,19 @@ def forward_hidden(model: PreTrainedModel, sequences_B_T: torch.Tensor, attentio
 
 @torch.no_grad()
 def token_logprobs(
-    model: PreTrainedModel, rollout: Rollout, temperatures: tuple[float, ...], chunk_size: int = 64
+    model: PreTrainedModel, rollout: Rollout, temperatures: tuple[float, ...], chunk_size: int = 64,
+    vocab_size: int | None = None,
 ) -> list[torch.Tensor]:
     """Log-probs of each next token under ``model`` at each temperature: ``[B, T-1]`` tensors aligned with the hidden
-    positions ``0..T-2`` (position t scores token t+1). The head runs chunk by chunk, so no ``[B, T, V]`` exists."""
+    positions ``0..T-2`` (position t scores token t+1), over the ids ``[0, vocab_size)`` (the tokenizer's, as
+    :func:`generate` samples them; None: the head's whole width). The head runs chunk by chunk, so no ``[B, T, V]``
+    exists."""
     hidden_B_T_H = forward_hidden(model, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
     targets_B_T = rollout.sequences_B_T[:, 1:]
     head = model.get_output_embeddings()
     outs: list[list[torch.Tensor]] = [[] for _ in temperatures]
     for start in range(0, hidden_B_T_H.shape[1], chunk_size):
-        z_B_C_V = head(hidden_B_T_H[:, start:start + chunk_size]).float()
+        z_B_C_V = head(hidden_B_T_H[:, start:start + chunk_size])[..., :vocab_size].float()
         tgt_B_C_1 = targets_B_T[:, start:start + chunk_size, None]
         for out, temp in zip(outs, temperatures):
             out.append(torch.log_softmax(z_B_C_V / temp, dim=-1).gather(-1, tgt_B_C_1).squeeze(-1))

@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.modeling.engines import ALL_VOCAB, ServedHead, TeacherServer, pack_prompt_logprobs, real_tokens
-from tasks.modeling.rollout import Rollout, cap_responses, forward_hidden, generate
+from tasks.modeling.rollout import Rollout, cap_responses, eos_ids, forward_hidden, generate
 from tasks.modeling.routing import TeacherRecord
 
 Kind = Literal["checkpoint", "engine", "endpoint"]
@@ -102,8 +102,9 @@ class CheckpointTeacher:
 
     def sample(self, tok: PreTrainedTokenizerBase, prompts: list[str], caps: list[int], temperature: float,
                generator: torch.Generator | None = None) -> Rollout:
-        rollout = generate(self.model, tok, prompts, max(caps), temperature=temperature, generator=generator)
-        return cap_responses(rollout, caps, tok.eos_token_id)
+        model = self.model
+        rollout = generate(model, tok, prompts, max(caps), temperature=temperature, generator=generator)
+        return cap_responses(rollout, caps, eos_ids(tok, model))
 
 
 class ServedTeacher(CheckpointTeacher):
@@ -119,7 +120,7 @@ class ServedTeacher(CheckpointTeacher):
     def score(self, batch: TeacherBatch) -> TeacherScore:
         served = self.servers[self.name].prompt_logprobs([real_tokens(batch.rollout, r) for r in batch.rows],
                                                          batch.logprobs)
-        return TeacherScore(list(batch.rows), pack_prompt_logprobs(served, batch.rollout, batch.rows),
+        return TeacherScore(list(batch.rows), pack_prompt_logprobs(served, batch.rollout, batch.rows, self.vocab_size),
                             ServedHead(self.vocab_size))
 
 

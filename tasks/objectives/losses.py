@@ -227,17 +227,21 @@ class ExtrapolatedHead(torch.nn.Module):
     so every objective of the menu (full, top-k or sampled-token) targets ``pi*`` when this head replaces the
     teacher's. ``scale = 1`` is the teacher itself; ``scale > 1`` pushes past it, away from the reference.
 
-    Input: the teacher's and the reference's hidden states concatenated on the last axis ``[..., Ht + Hr]``."""
+    Input: the teacher's and the reference's hidden states concatenated on the last axis ``[..., Ht + Hr]``.
+    ``vocab_size`` (the tokenizer's, ``len(tok)``): both heads' logits are cut to it before their log-softmax, since
+    either model's head may be padded past the real vocabulary (to a multiple of 64 or 128), each its own way."""
 
-    def __init__(self, teacher_head: Head, reference_head: Head, teacher_width: int, scale: float):
+    def __init__(self, teacher_head: Head, reference_head: Head, teacher_width: int, scale: float,
+                 vocab_size: int | None = None):
         super().__init__()
         self.teacher_head, self.reference_head = teacher_head, reference_head
-        self.teacher_width, self.scale = teacher_width, scale
+        self.teacher_width, self.scale, self.vocab_size = teacher_width, scale, vocab_size
 
     def forward(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
-        logp_t = F.log_softmax(self.teacher_head(hidden_N_H[..., : self.teacher_width]).float(), dim=-1)
-        logp_r = F.log_softmax(self.reference_head(hidden_N_H[..., self.teacher_width:]).float(), dim=-1)
-        return self.scale * logp_t + (1.0 - self.scale) * logp_r
+        V = self.vocab_size
+        logp_t_N_V = F.log_softmax(self.teacher_head(hidden_N_H[..., : self.teacher_width])[..., :V].float(), dim=-1)
+        logp_r_N_V = F.log_softmax(self.reference_head(hidden_N_H[..., self.teacher_width:])[..., :V].float(), dim=-1)
+        return self.scale * logp_t_N_V + (1.0 - self.scale) * logp_r_N_V
 
 
 # Diagnostics summed per sequence by :func:`chunked_objective` (all at the divergence temperature, no gradient).
@@ -299,6 +303,7 @@ def chunked_objective(
     chunk_size: int = 64,
     normalizer: float | None = None,
     targets_B_T: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> ObjectiveResult:
     """The objective summed over masked positions, computed chunk by chunk along T:
 
@@ -312,9 +317,13 @@ def chunked_objective(
     the teacher-NLL diagnostic.
 
     Shapes: hidden states ``[B, T, H]`` (the teacher's width may differ), heads map ``[..., H] -> [..., V]``,
-    ``mask_B_T`` 0/1. Each chunk's logits are recomputed in the backward pass (activation checkpointing), so neither
-    model's ``[B, T, V]`` fp32 logits exist whole: peak extra memory is ``O(B * chunk_size * V)``. The teacher runs
-    under ``no_grad``; the gradient flows only through the student's hidden states and head.
+    ``mask_B_T`` 0/1. ``vocab_size`` (the tokenizer's, ``len(tok)``) cuts both heads' logits to ids ``[0, V)``
+    before any softmax: a checkpoint's head may be padded past its tokenizer (``config.vocab_size`` a multiple of 64
+    or 128), and student and teacher padded differently; the padding is no token, so it takes no probability. None
+    keeps the heads' own widths (which must then agree). Each chunk's logits are recomputed in the backward pass
+    (activation checkpointing), so neither model's ``[B, T, V]`` fp32 logits exist whole: peak extra memory is
+    ``O(B * chunk_size * V)``. The teacher runs under ``no_grad``; the gradient flows only through the student's
+    hidden states and head.
     """
     if student_hidden_B_T_H.shape[:2] != mask_B_T.shape or teacher_hidden_B_T_Ht.shape[:2] != mask_B_T.shape:
         raise ValueError(
@@ -337,8 +346,8 @@ def chunked_objective(
 
     def chunk(hs_B_C_H, ht_B_C_H, m_B_C, tgt_B_C, *tok_B_C):
         with torch.no_grad():
-            zt_B_C_V = teacher_head(ht_B_C_H).float()
-        zs_B_C_V = student_head(hs_B_C_H).float()
+            zt_B_C_V = teacher_head(ht_B_C_H)[..., :vocab_size].float()
+        zs_B_C_V = student_head(hs_B_C_H)[..., :vocab_size].float()
         logq_B_C_V = F.log_softmax(zs_B_C_V / obj.temperature, dim=-1)
         logp_B_C_V = F.log_softmax(zt_B_C_V / obj.temperature, dim=-1)
         rkl_B_C = kl(logq_B_C_V.detach(), logp_B_C_V)

@@ -24,7 +24,11 @@ class RenderError(ValueError):
 
 
 def messages(route: RouteSpec, row: Mapping[str, Any]) -> list[dict[str, str]]:
-    """The chat messages of one row: the system prompt (the row's, else the route's), then the user's prompt."""
+    """The chat messages of one row: the system prompt (the row's, else the route's), then the user's prompt. With
+    neither there is no system message at all, and what the model sees is whatever its chat template does then: many
+    templates insert a default system prompt of their own (SmolLM2's: "You are a helpful AI assistant named SmolLM,
+    trained by Hugging Face"), which the prompts then carry. A route that wants none must say so in its template's
+    terms, not by leaving ``render.system`` empty."""
     system = str(row.get("system") or route.render.system)
     return ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": str(row["prompt"])}]

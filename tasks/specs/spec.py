@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tasks.common.problems import InputError, Problem, validation_problems
 from tasks.specs import verifiers
 
-DataFormat = Literal["auto", "jsonl", "json", "parquet", "csv", "disk", "hub"]
+DataFormat = Literal["auto", "jsonl", "json", "parquet", "csv", "disk", "hub", "reasoning_gym"]
 VerifyKind = Literal["exact", "numeric", "regex", "math", "function"]
 # Values of a split column that mean "held out" and "train" (case-insensitive).
 HELD_OUT_VALUES = frozenset({"eval", "test", "validation", "heldout", "held_out", "held-out"})
@@ -85,7 +85,23 @@ class DataSpec(_Spec):
                                      "row; without it the held-out rows are drawn by eval_fraction / eval_size.")
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of distinct prompts held out (no split_column).")
     eval_size: int | None = Field(None, ge=1, description="Held-out prompts, instead of eval_fraction.")
-    seed: int = Field(0, ge=0, description="Seed of the held-out draw.")
+    seed: int = Field(0, ge=0, description="Seed of the held-out draw (and of a generator's rows).")
+    size: int = Field(1000, ge=2, le=10_000_000, description="format reasoning_gym: rows generated (duplicates are "
+                      "dropped after, so fewer distinct prompts may remain).")
+    generator: dict[str, Any] = Field(default_factory=dict, description="format reasoning_gym: the generator's "
+                                      "config (keyword arguments of reasoning_gym.create_dataset).")
+    completion_function: str = Field("", description="'module:function' writing a row's reference completion, "
+                                     "called as fn(row) -> str (row: the source's columns; a generator's metadata "
+                                     "as a dict), e.g. a worked solution built from a generator's metadata; used "
+                                     "where completion_column is not set.")
+
+    @model_validator(mode="after")
+    def _generator(self) -> "DataSpec":
+        if self.generator and self.format != "reasoning_gym":
+            raise ValueError("generator settings apply to format reasoning_gym only")
+        if self.completion_function and self.completion_column:
+            raise ValueError("give completion_column or completion_function, not both")
+        return self
 
 
 class RenderSpec(_Spec):
@@ -309,7 +325,7 @@ def _relative_path_problems(raw: dict[str, Any]) -> list[Problem]:
         source, fmt = (data.get("source"), data.get("format", "auto")) if isinstance(data, dict) else (None, None)
         if not (isinstance(source, str) and source and isinstance(fmt, str)):
             continue  # missing or mistyped: the model says so
-        local = _format_of(SimpleNamespace(source=source, format=fmt), Path(source)) != "hub"
+        local = _format_of(SimpleNamespace(source=source, format=fmt), Path(source)) not in ("hub", "reasoning_gym")
         if local and not Path(source).is_absolute():
             name = route.get("name") or i
             problems.append(Problem(INLINE, f"routes[{name}].data.source",
@@ -420,6 +436,8 @@ def _read(data: DataSpec, folder: Path, file: str, field: str):
     name in a ``__split__`` column when the spec reads the split from it)."""
     from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset, load_from_disk
 
+    if data.format == "reasoning_gym":
+        return _generated(data, file, field)
     local = (folder / data.source).expanduser()
     fmt = _format_of(data, local)
     if fmt != "hub" and not local.exists():
@@ -440,6 +458,26 @@ def _read(data: DataSpec, folder: Path, file: str, field: str):
         ds = concatenate_datasets(parts)
     assert isinstance(ds, Dataset)
     return ds
+
+
+def _generated(data: DataSpec, file: str, field: str):
+    """``data.size`` rows of the reasoning-gym generator ``data.source`` (``question`` -> ``prompt``, ``answer``, the
+    entry's ``metadata`` as JSON text), seeded by ``data.seed``."""
+    from datasets import Dataset
+
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise InputError([Problem(file, field, "format reasoning_gym needs the reasoning-gym package: "
+                                  "pip install -e '.[real]'")]) from None
+    try:
+        entries = reasoning_gym.create_dataset(data.source, size=data.size, seed=data.seed, **data.generator)
+        rows = [{"prompt": e["question"], "answer": str(e["answer"]), "metadata": json.dumps(e.get("metadata", {}),
+                 default=str)} for e in entries]
+    except Exception as e:  # an unknown generator name or config key: reported, not raised as a traceback
+        raise InputError([Problem(file, field, f"reasoning-gym generator {data.source!r} with {data.generator}: "
+                                  f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")]) from None
+    return Dataset.from_list(rows)
 
 
 def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
@@ -463,6 +501,20 @@ def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
     def text(row: dict, col: str | None) -> str:
         return "" if not col or row[col] is None else str(row[col])
 
+    write_completion = None
+    if data.completion_function:
+        try:
+            write_completion = verifiers.import_function(data.completion_function, spec.folder)
+        except verifiers.VerifierError as e:
+            raise InputError([Problem(file, f"{base}.completion_function", str(e))], f"route spec {file}") from None
+
+    def completion(row: dict) -> str:
+        if write_completion is None:
+            return text(row, data.completion_column)
+        if isinstance(row.get("metadata"), str):
+            row = {**row, "metadata": json.loads(row["metadata"])}
+        return str(write_completion(row))
+
     rows, problems, seen, conflicts = [], [], {}, set()
     for i, row in enumerate(ds):
         prompt = text(row, data.prompt_column)
@@ -481,7 +533,7 @@ def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
             continue
         seen[key] = split
         rows.append({"prompt": prompt, "answer": text(row, data.answer_column), "system": key[1],
-                     "context": text(row, data.context_column), "completion": text(row, data.completion_column),
+                     "context": text(row, data.context_column), "completion": completion(row),
                      "__split__": split})
     if problems:
         raise InputError(problems[:20], f"route spec {file}")

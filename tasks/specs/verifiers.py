@@ -97,10 +97,23 @@ def math_verify(answer_after: str = "") -> Verifier:
 
 
 def function(target: str, folder: str | Path | None = None) -> Verifier:
-    """The user's ``module:function``; its result is checked to be a bool or a number in [0, 1]. A module whose file
+    """The user's ``module:function`` (:func:`import_function`); its result is checked to be a bool or a number in
+    [0, 1]."""
+    fn = import_function(target, folder)
+
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        value = fn(completion, reference, row)
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and 0.0 <= float(value) <= 1.0):
+            return float(value)
+        raise VerifierError(f"verifier {target} returned {value!r}; expected a bool or a number in [0, 1]")
+    return verify
+
+
+def import_function(target: str, folder: str | Path | None = None) -> Callable:
+    """The user's ``module:function`` (a verifier, a completion writer), imported, never eval-ed. A module whose file
     lies in ``folder`` (the spec's own folder: ``checks.py``, ``pkg/checks.py``) is loaded from that file, fresh at
-    every build, so that an edited verifier is the one used and two specs' ``checks`` modules never shadow each
-    other; any other module is imported as usual."""
+    every build, so that an edited function is the one used and two specs' ``checks`` modules never shadow each
+    other; any other module is imported as usual. :class:`VerifierError` when it cannot be."""
     if not _FUNCTION_RE.match(target):
         raise VerifierError(f"function {target!r}: expected 'module:function' (e.g. my_project.checks:is_right)")
     module_name, _, attr = target.partition(":")
@@ -118,10 +131,4 @@ def function(target: str, folder: str | Path | None = None) -> Verifier:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise VerifierError(f"function {target!r}: {module_name} has no callable {attr!r}")
-
-    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
-        value = fn(completion, reference, row)
-        if isinstance(value, bool) or (isinstance(value, (int, float)) and 0.0 <= float(value) <= 1.0):
-            return float(value)
-        raise VerifierError(f"verifier {target} returned {value!r}; expected a bool or a number in [0, 1]")
-    return verify
+    return fn

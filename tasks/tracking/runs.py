@@ -169,8 +169,10 @@ def format_retention_table(rows: list[dict[str, Any]]) -> str:
     from tasks.common.table import format_table
 
     keys = ["route", "teacher", "base_accuracy", "teacher_accuracy", "student_accuracy", "retention"]
-    body = [[r[k] for k in keys] for r in rows]
-    return format_table(["route", "teacher", "base acc", "teacher acc", "student acc", "retention"], body)
+    # gain recovered: (student - base) / (teacher - base); "-" where the teacher gained nothing over the base.
+    body = [[r[k] for k in keys] + [r.get("gain_recovered")] for r in rows]
+    return format_table(["route", "teacher", "base acc", "teacher acc", "student acc", "retention", "gain rec."],
+                        body)
 
 
 # ---------------------------------------------------------------------------------------------- model registry

@@ -23,6 +23,7 @@ from tasks.modeling.rollout import (
     Rollout,
     cap_responses,
     decode_responses,
+    eos_ids,
     forward_hidden,
     generate,
     response_ids,
@@ -110,7 +111,8 @@ def sample_batch(
     cap), by transformers (drawing from ``generator`` when given, else torch's global one) or by the vLLM ``engine``
     holding ``model``'s weights. With ``with_logprobs`` the behaviour log-probs (sampling temperature) and the old
     policy's log-probs (divergence temperature) of the sampled tokens are recorded for the importance ratio and the
-    per-token advantage; the engine's own log-probs serve as the behaviour log-probs."""
+    per-token advantage; the engine's own log-probs serve as the behaviour log-probs. Responses end at any of
+    :func:`tasks.modeling.rollout.eos_ids`; log-probs are over the tokenizer's ``len(tok)`` ids."""
     tokens = None
     if engine is not None and with_logprobs:
         rollout, logq_beh_B_T, logq_old_B_T = rollout_with_logprobs(
@@ -121,10 +123,10 @@ def sample_batch(
     else:
         rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature,
                            generator=generator)
-        rollout = cap_responses(rollout, caps_B, tok.eos_token_id)
+        rollout = cap_responses(rollout, caps_B, eos_ids(tok, model))
     if with_logprobs and tokens is None:
         temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
-        lp = token_logprobs(model, rollout, temps)
+        lp = token_logprobs(model, rollout, temps, vocab_size=len(tok))
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
     rewards_B = verifier_rewards(tok, rollout, routes, answers, verifiers)
     return Batch(rollout, routes, answers, True, version, rewards_B, tokens, len(prompts),
@@ -136,6 +138,8 @@ class OffPolicyData:
 
     ``teacher``: each prompt's routed teacher samples a completion once (at the sampling temperature); it is cached
     per teacher and reused whenever that prompt comes back. ``dataset``: the prompt set's gold ``completion`` column.
+    ``eos``: the ids that end a completion (default the tokenizer's EOS; the merge gives the student's
+    :func:`tasks.modeling.rollout.eos_ids`), which the truncation flags read.
     """
 
     def __init__(
@@ -148,11 +152,13 @@ class OffPolicyData:
         sample_temperature: float = 1.0,
         *,
         verifiers: Mapping[str, Verifier],
+        eos: tuple[int, ...] = (),
     ):
         if source not in ("teacher", "dataset"):
             raise ValueError(f"off-policy source must be 'teacher' or 'dataset', got {source!r}")
         self.source, self.tok, self.teachers, self.teacher_of = source, tok, teachers, teacher_of
         self.gold, self.sample_temperature, self.verifiers = gold, sample_temperature, verifiers
+        self.eos = eos or eos_ids(tok)
         self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
 
     def batch(self, prompts: list[str], routes: list[str], answers: list[str], caps_B: list[int],
@@ -169,7 +175,7 @@ class OffPolicyData:
         else:
             generated, generated_tokens = self._fill(prompts, routes, caps_B, generator)
             responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
-        rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses), caps_B, self.tok.eos_token_id)
+        rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses, self.eos), caps_B, self.eos)
         rewards_B = verifier_rewards(self.tok, rollout, routes, answers, self.verifiers)
         return Batch(rollout, routes, answers, False, -1, rewards_B, None, generated, generated_tokens)
 
@@ -357,10 +363,12 @@ def extrapolate_scores(
     rollout: Rollout,
     scale: float,
     costs: dict[str, list[float]] | None = None,
+    vocab_size: int | None = None,
 ) -> TeacherScores:
     """Reward extrapolation (ExOPD): each teacher's scores become those of the target ``p_ref * (p_T / p_ref) **
     scale`` (:class:`tasks.objectives.losses.ExtrapolatedHead`), with the reference model's hidden states on the same sequences
-    appended to the teacher's (one reference forward over the whole batch). ``costs["reference"]`` accounts it."""
+    appended to the teacher's (one reference forward over the whole batch). ``costs["reference"]`` accounts it.
+    ``vocab_size`` (``len(tok)``) cuts each head, padded or not, to the real vocabulary."""
     t0 = time.perf_counter()
     with torch.no_grad():
         ref_B_T_H = forward_hidden(reference, rollout.sequences_B_T, rollout.attention_mask_B_T)
@@ -368,7 +376,7 @@ def extrapolate_scores(
     out = {}
     for name, (rows, hidden_b_T_Ht, head) in scores.items():
         out[name] = TeacherScore(rows, torch.cat([hidden_b_T_Ht, ref_B_T_H[torch.tensor(rows)]], dim=-1),
-                                 ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale))
+                                 ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale, vocab_size))
     if costs is not None:
         cost = costs.setdefault("reference", [0.0, 0.0])
         cost[0] += float(rollout.attention_mask_B_T.sum())
@@ -398,12 +406,15 @@ def update_step(
     route_weights: dict[str, float] | None = None,
     reward_weight: float = 0.0,
     shard: slice | None = None,
+    vocab_size: int | None = None,
 ) -> StepStats:
     """One optimizer step on ``batch``: rows are grouped by (teacher, route objective) and each group's objective is
     summed over its response tokens; the total is divided by the batch's response tokens. ``route_weights`` scale a
     route's tokens (default 1). A ``reward_weight`` adds the verifier outcome as a sequence advantage on on-policy
     batches. Returns per-route statistics. A non-finite loss or gradient norm takes no step at all (``skipped``
-    in the statistics; the caller counts it).
+    in the statistics; the caller counts it). ``vocab_size`` (the tokenizer's ``len(tok)``; the merge always gives
+    it): every divergence compares the two heads over ids ``[0, vocab_size)`` only, so a student and a teacher whose
+    heads are padded past the tokenizer, each its own way, still compare token for token.
 
     ``shard`` (one rank's contiguous rows of a sharded student, :mod:`tasks.training.sharded`): only those rows are learned
     from and ``teacher_hidden`` scores only them, while the normaliser and the reward baseline stay the whole batch's,
@@ -451,6 +462,7 @@ def update_step(
                 chunk_size=chunk_size,
                 normalizer=total_tokens,
                 targets_B_T=rollout.sequences_B_T[idx, 1:],
+                vocab_size=vocab_size,
             )
             loss = loss + res.loss
             for k, row in enumerate(idx.tolist()):
@@ -515,6 +527,6 @@ def opd_step(
     hidden = score_with_teachers(teachers, groups, batch.rollout)
     t2 = time.perf_counter()
     stats = update_step(student, batch, hidden, {r: objective for r in set(routes)}, optimizer, scheduler,
-                        chunk_size, grad_clip)
+                        chunk_size, grad_clip, vocab_size=len(tok))
     stats.seconds.update(generate=t1 - t0, teacher=t2 - t1)
     return stats

@@ -44,10 +44,12 @@ def policy_loss(
     clip_eps: float = 0.2,
     chunk_size: int = 64,
     temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Mean over response tokens of the PPO-clipped policy-gradient loss with each sequence's advantage on every one
     of its tokens. The policy is the model's distribution at the sampling ``temperature`` (the one ``logq_old_B_T``
-    was taken at), so an on-policy ratio is 1. The head runs chunk by chunk with recomputation, so no ``[B, T, V]``
+    was taken at) over the tokenizer's ids ``[0, vocab_size)`` (a padded head's padding is never sampled), so an
+    on-policy ratio is 1. The head runs chunk by chunk with recomputation, so no ``[B, T, V]``
     tensor is kept."""
     hidden_B_T_H = forward_hidden(model, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
     targets_B_T = rollout.sequences_B_T[:, 1:]
@@ -55,7 +57,8 @@ def policy_loss(
     head = model.get_output_embeddings()
 
     def chunk(h_B_C_H, tgt_B_C, old_B_C, m_B_C):
-        logq_B_C = F.log_softmax(head(h_B_C_H).float() / temperature, dim=-1).gather(-1, tgt_B_C[..., None]).squeeze(-1)
+        z_B_C_V = head(h_B_C_H)[..., :vocab_size].float()
+        logq_B_C = F.log_softmax(z_B_C_V / temperature, dim=-1).gather(-1, tgt_B_C[..., None]).squeeze(-1)
         adv_B_C = adv_B[:, None].expand_as(m_B_C)
         old_B_C = old_B_C.masked_fill(m_B_C == 0, 0.0)
         return (policy_gradient_loss(logq_B_C, old_B_C, adv_B_C, "clip", clip_eps) * m_B_C).sum()
@@ -105,9 +108,9 @@ def grpo_step(
     rollout = generate(model, tok, rep(prompts), max_new_tokens, temperature=temperature, generator=generator)
     rewards_B = verifier_rewards(tok, rollout, rep(routes), rep(answers), verifiers)
     adv_B = group_advantages(rewards_B, group_size, normalize_std)
-    (logq_old_B_T,) = token_logprobs(model, rollout, (temperature,))
+    (logq_old_B_T,) = token_logprobs(model, rollout, (temperature,), vocab_size=len(tok))
     model.train()
-    loss = policy_loss(model, rollout, adv_B, logq_old_B_T, clip_eps, temperature=temperature)
+    loss = policy_loss(model, rollout, adv_B, logq_old_B_T, clip_eps, temperature=temperature, vocab_size=len(tok))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

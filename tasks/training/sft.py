@@ -5,13 +5,44 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from tasks.config import TrainConfig
+from tasks.config import LoRAFields, TrainConfig
 from tasks.modeling.rollout import position_ids_from_mask
+
+
+def with_lora(model: PreTrainedModel, cfg: LoRAFields):
+    """``model`` wrapped in a fresh peft LoRA adapter of ``cfg.lora_rank`` on ``cfg.lora_targets`` (its own weights
+    frozen), or ``model`` itself when ``lora_rank`` is 0 (``cfg``: a specialist's :class:`TrainConfig` or the merge's
+    ``opd``). The adapter starts at zero (peft's B = 0), so the wrapped model computes exactly what the base does
+    until it trains."""
+    if not cfg.lora_rank:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(cfg.seed)
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=list(cfg.lora_targets),
+                      task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+ADAPTER = "adapter"  # a LoRA-trained model's peft adapter, in this subfolder of its (merged) checkpoint
+
+
+def save_trained(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out_dir, state_dict: dict | None = None):
+    """Save a trained model as a complete checkpoint in ``out_dir`` (:func:`tasks.modeling.models.save_model`); a
+    LoRA-wrapped one is saved merged into its base, with its adapter (peft's own format: adapter_config.json names
+    the base) in ``out_dir/adapter``. Returns (the plain model, the folder)."""
+    from tasks.modeling.models import save_model
+
+    if hasattr(model, "merge_and_unload"):
+        save_model(model, tok, Path(out_dir) / ADAPTER)
+        model = model.merge_and_unload()
+    return model, save_model(model, tok, out_dir, state_dict)
 
 
 @dataclass
@@ -49,8 +80,10 @@ def sft_loss(model: PreTrainedModel, batch: SFTBatch) -> torch.Tensor:
 
 
 def make_optimizer(model: PreTrainedModel, lr: float, weight_decay: float, warmup: int, steps: int):
-    """AdamW with linear warmup then cosine decay to 0 (SFT and OPD alike)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    """AdamW over the trainable parameters (all of them, or a LoRA adapter's) with linear warmup then cosine decay to
+    0 (SFT and OPD alike)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     return opt, get_cosine_schedule_with_warmup(opt, warmup, steps)
 
 

@@ -17,7 +17,7 @@ from prefect import task
 from tasks.common.log import say
 from tasks.config import RLConfig, TrainConfig
 from tasks.evaluation.evaluate import RouteScore, evaluate_route
-from tasks.modeling.models import load_model, save_model
+from tasks.modeling.models import load_model
 from tasks.common.paths import models_dir, state_cache_policy
 from tasks.specs.prompt_set import load_prompt_set
 from tasks.specs.tokenizer import load_tokenizer
@@ -83,7 +83,7 @@ def train_rl(model, tok, route: str, verify, tr, ev, cap: int, rl: RLConfig, run
 def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprint: str, train: Recipe) -> dict:
     """Train a copy of the base on one route (``train``: the sft or rl recipe); returns the checkpoint URI and
     held-out accuracy."""
-    from tasks.training.sft import train_sft
+    from tasks.training.sft import save_trained, train_sft, with_lora
 
     trainer = trainer_of(train)
     tok = load_tokenizer(base_uri)
@@ -92,7 +92,8 @@ def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprin
     if len(tr) == 0:
         raise ValueError(f"route {route}: no training prompts in {prompt_set}")
     verify = ps.verifier(route)
-    model = load_model(base_uri)
+    base = load_model(base_uri)
+    model = with_lora(base, train) if trainer == "sft" else base
     cap = ps.cap(route)
     run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}" if trainer == "sft" else f"specialist-rl-{route}",
                        {**config_params(train), "trainer": trainer, "route": route, "base_uri": base_uri,
@@ -103,8 +104,9 @@ def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprin
                       on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
         else:
             train_rl(model, tok, route, verify, tr, ev, cap, train, run_id)
+        # A LoRA specialist is saved, and evaluated as it teaches, merged into its base (its adapter beside it).
+        model, out = save_trained(model, tok, specialist_dir(prompt_set, route, base_fingerprint, train))
         score = log_eval(run_id, model, tok, route, verify, ev, cap, train.steps)
-        out = save_model(model, tok, specialist_dir(prompt_set, route, base_fingerprint, train))
         MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
     except BaseException:
         end_run(run_id, status="FAILED")  # a failed attempt must not look in progress; a retry starts a new run

@@ -1,0 +1,118 @@
+"""LoRA specialists merged by peft's own adapter merging (tasks/merging/weight_merge.merge_adapters), which
+merge_checkpoints picks when every expert keeps its adapter: peft's ``cat`` equals our hand-written task arithmetic on
+the merged checkpoints, TIES and DARE run through peft, and an adapter of another base is refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.common.paths import PROJECT_ROOT
+
+
+@pytest.fixture(scope="module")
+def lora_experts(tmp_path_factory):
+    """A tiny Llama base (saved with a real tokenizer) and two LoRA fine-tunes of it, saved as the specialists are."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.config import TrainConfig
+    from tasks.modeling.models import load_model, save_model
+    from tasks.training.sft import save_trained, with_lora
+
+    tok = AutoTokenizer.from_pretrained(PROJECT_ROOT / "tests" / "data" / "smollm2-tokenizer")
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    root = tmp_path_factory.mktemp("adapters")
+    base_dir = save_model(base, tok, root / "base")
+    experts = []
+    for i in range(2):
+        model = with_lora(load_model(base_dir), TrainConfig(lora_rank=4, lora_alpha=8, seed=i))
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        ids_B_T = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(i))
+        for _ in range(3):
+            model(ids_B_T, labels=ids_B_T).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        experts.append(save_trained(model, tok, root / f"expert{i}")[1])
+    return base_dir, experts
+
+
+def test_peft_cat_of_the_adapters_is_task_arithmetic_of_the_merged_specialists(lora_experts, tmp_path):
+    from tasks.merging.weight_merge import merge_checkpoints, task_arithmetic
+    from tasks.modeling.models import load_model
+
+    base_dir, experts = lora_experts
+    out = merge_checkpoints(base_dir, experts, "task_arithmetic", tmp_path / "ta")
+    assert json.loads(Path(out, "weight_merge.json").read_text())["peft_combination"] == "cat"
+    base_sd = load_model(base_dir).state_dict()
+    by_hand = task_arithmetic(base_sd, [load_model(e).state_dict() for e in experts])
+    merged = load_model(out).state_dict()
+    assert set(merged) == set(by_hand)
+    moved = 0
+    for name, t in by_hand.items():
+        torch.testing.assert_close(merged[name], t, atol=1e-6, rtol=1e-5)
+        moved += not torch.equal(t, base_sd[name])
+    assert moved >= 14  # the 7 projections of 2 layers changed: the comparison is not of two copies of the base
+
+
+@pytest.mark.parametrize("method,combination", [("ties", "ties"), ("dare", "dare_linear")])
+def test_ties_and_dare_of_lora_specialists_run_through_peft(lora_experts, tmp_path, method, combination):
+    from tasks.merging.weight_merge import merge_checkpoints
+    from tasks.modeling.models import load_model
+
+    base_dir, experts = lora_experts
+    out = merge_checkpoints(base_dir, experts, method, tmp_path / method, density=0.5)
+    record = json.loads(Path(out, "weight_merge.json").read_text())
+    assert record["peft_combination"] == combination and record["density"] == 0.5
+    base_sd, merged = load_model(base_dir).state_dict(), load_model(out).state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[q], base_sd[q]) and torch.isfinite(merged[q]).all()
+
+
+def test_an_adapter_of_another_base_is_refused(lora_experts, tmp_path):
+    from tasks.merging.weight_merge import merge_adapters
+
+    base_dir, experts = lora_experts
+    other = tmp_path / "other-base"
+    other.mkdir()
+    with pytest.raises(ValueError, match="was trained on"):
+        merge_adapters(other, [Path(e) / "adapter" for e in experts], "ties", tmp_path / "x")
+
+
+def test_an_adapter_folder_registers_passes_the_preflight_and_teaches_as_its_merged_checkpoint(lora_experts, tmp_path):
+    """A teacher given as a LoRA adapter (peft's folder, naming its base) rather than a merged checkpoint: registered
+    against the base's tokenizer, checked by the merge preflight like any checkpoint, and loaded as base + adapter,
+    the same function as the merged specialist saved beside it."""
+    import shutil
+
+    from tasks.merging.merge import _load_teacher
+    from tasks.modeling.models import load_model
+    from tasks.preflight import check_checkpoint
+    from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from teachers.registry import TeacherRegistry
+
+    base_dir, experts = lora_experts
+    adapter = shutil.copytree(Path(experts[0]) / "adapter", tmp_path / "adapter-only")
+    for f in adapter.glob("tokenizer*"):  # a user's adapter often ships without the tokenizer: the base's is used
+        f.unlink()
+    assert not (adapter / "config.json").exists() and (adapter / "adapter_model.safetensors").is_file()
+    registry = TeacherRegistry(tmp_path / "registry.json")
+    rec = registry.register_checkpoint("adapter-teacher", "arith-answer", adapter, base_dir)
+    assert rec.tokenizer_fingerprint == tokenizer_fingerprint(load_tokenizer(base_dir))
+    ck = check_checkpoint(str(adapter), "teacher 'adapter-teacher'.model_uri")
+    assert ck.problems == [] and ck.config.model_type == "llama"
+    teacher = _load_teacher(rec, rec.tokenizer_fingerprint)
+    # Merged into its base on loading (one plain forward per score), not carried as LoRA layers beside it.
+    assert not [n for n, _ in teacher.named_modules() if "lora" in n]
+    ids_B_T = torch.tensor([[1, 504, 3299, 28, 2, 30]])
+    with torch.no_grad():
+        torch.testing.assert_close(teacher(ids_B_T).logits, load_model(experts[0])(ids_B_T).logits, atol=1e-5,
+                                   rtol=1e-4)
+        assert not torch.allclose(teacher(ids_B_T).logits, load_model(base_dir)(ids_B_T).logits)
+    # An adapter whose config names no base is refused by the preflight, naming the file.
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    (problem,) = check_checkpoint(str(adapter), "teacher 'adapter-teacher'.model_uri").problems
+    assert problem.file.endswith("adapter_config.json") and "names no base_model_name_or_path" in problem.message

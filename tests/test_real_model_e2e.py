@@ -1,0 +1,134 @@
+"""The real-model code path in minutes, without the 135M model: the shipped SmolLM2 tokenizer (tests/data/
+smollm2-tokenizer: BPE, 49,152 tokens, ChatML template with a default system prompt, pad = eos) on a tiny randomly
+initialised Llama of that vocabulary, given as ``base_model`` like a user's local HF folder, with reasoning-gym routes
+(the real profile's own spec, cut small) through the whole pipeline: chat-templated prompts, generated and
+deduplicated rows, LoRA specialists (adapter saved beside the merged teacher checkpoint), the merge and its table
+with retention and gain recovered. The full real profile (`make real`) is the slow run this one stands for."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tasks.common.paths import PROJECT_ROOT
+from tasks.gym import ROUTES
+
+TOKENIZER = PROJECT_ROOT / "tests" / "data" / "smollm2-tokenizer"
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory) -> Path:
+    """A user's local HF folder: a 2-layer Llama with the SmolLM2 tokenizer, tied embeddings and 8,192 positions."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    out = tmp_path_factory.mktemp("tiny-smollm2")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_routes(tmp_path_factory) -> Path:
+    """The real profile's routes.yaml with fewer rows (generation and the solutions writer unchanged)."""
+    spec = yaml.safe_load(ROUTES.read_text())
+    for route in spec["routes"]:
+        route["data"].update(size=60, eval_size=8)
+    folder = tmp_path_factory.mktemp("routes")
+    # ... and a route of the user's own JSONL beside them (relative to the spec file, as a user writes it).
+    words = ["apple", "river", "stone", "cloud", "green", "light", "table", "music"]
+    rows = [{"question": f"Repeat the word {a} {b}.", "gold": f"{a} {b}"} for a in words for b in words if a != b]
+    (folder / "echo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec["routes"].append({"name": "echo", "labels": {"domain": "words", "budget": "low"},
+                           "data": {"source": "echo.jsonl", "prompt_column": "question", "answer_column": "gold",
+                                    "completion_column": "gold", "eval_size": 8},
+                           "render": {"kind": "chat"}, "generate": {"max_new_tokens": 6}, "verify": {"kind": "exact"}})
+    out = folder / "routes.yaml"
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_path(prefect_server, tiny_base, small_routes):
+    from flows.pipeline import pipeline
+    from tasks.config import pipeline_config
+
+    cfg = pipeline_config("real", spec=str(small_routes), base_model=str(tiny_base), experiment="real-path",
+                          min_accuracy=0.0,
+                          specialist_train={"steps": 3, "batch_size": 4},
+                          opd={"steps": 2, "batch_size": 6, "eval_every": 1000, "checkpoint_every": 0,
+                               "cold_start_steps": 1, "gate_threshold": 0.0})
+    return cfg, pipeline(cfg)
+
+
+def test_prompts_are_rendered_with_the_models_chat_template_and_completions_end_at_its_eos(real_path, tiny_base):
+    from tasks.specs.prompt_set import load_prompt_set
+    from tasks.common.paths import prompt_sets_dir
+
+    _, out = real_path
+    (folder,) = [p for p in prompt_sets_dir().iterdir() if (p / "DONE").exists()
+                 and load_prompt_set(p).routes == ["arith-answer", "arith-steps", "words-reverse", "echo"]]
+    ps = load_prompt_set(folder)
+    prompt = ps.rows("eval")["arith-steps"]["prompt"][0]
+    assert prompt.startswith("<|im_start|>system\nWork it out step by step") and prompt.endswith(
+        "<|im_end|>\n<|im_start|>assistant\n")
+    assert "SmolLM" not in prompt  # the route's system prompt replaces the template's default one
+    train = ps.rows("train")["arith-steps"]
+    assert train["completion"][0].endswith(f"Answer: {train['answer'][0]}")
+    assert ps.tokenizer().eos_token == "<|im_end|>"
+    # A route without a system prompt gets the chat template's own default one (SmolLM2's), as the model was tuned.
+    echo = ps.rows("eval")["echo"]["prompt"][0]
+    assert echo.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_lora_specialists_are_registered_as_merged_checkpoints_with_their_adapters(real_path, tiny_base):
+    from peft import PeftModel
+
+    from tasks.modeling.models import load_model
+    from teachers.registry import TeacherRegistry
+
+    _, out = real_path
+    assert sorted(out["teachers"]) == ["spec-arith-answer", "spec-arith-steps", "spec-echo", "spec-words-reverse"]
+    rec = TeacherRegistry().get("spec-arith-steps")
+    adapter = Path(rec.model_uri) / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 16 and config["lora_alpha"] == 32 and Path(config["base_model_name_or_path"]) == tiny_base
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # The registered checkpoint is the base with its adapter merged in: the same function as base + adapter.
+    ids_B_T = torch.tensor([[1, 504, 3299, 28, 2, 30, 17]])
+    teacher = load_model(rec.model_uri).eval()
+    with_adapter = PeftModel.from_pretrained(load_model(tiny_base), adapter).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(teacher(ids_B_T).logits, with_adapter(ids_B_T).logits, atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(teacher(ids_B_T).logits, load_model(tiny_base)(ids_B_T).logits)
+
+
+def test_the_merge_table_has_base_teacher_and_student_accuracy_retention_and_gain_recovered(real_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from tasks.evaluation.evaluate import gain_recovered, retention
+    from tasks.tracking.runs import format_retention_table, tracking_uri
+
+    cfg, out = real_path
+    assert [r["route"] for r in out["rows"]] == ["arith-answer", "arith-steps", "words-reverse", "echo"]
+    for row in out["rows"]:
+        assert row["retention"] == retention(row["student_accuracy"], row["teacher_accuracy"])
+        assert row["gain_recovered"] == gain_recovered(row["student_accuracy"], row["teacher_accuracy"],
+                                                       row["base_accuracy"])
+    table = format_retention_table(out["rows"])
+    assert "gain rec." in table.splitlines()[0]
+    metrics = MlflowClient(tracking_uri()).get_run(out["run_id"]).data.metrics
+    for row in out["rows"]:
+        assert metrics[f"retention/{row['route']}"] == pytest.approx(row["retention"])
+        if row["gain_recovered"] is not None:
+            assert metrics[f"gain_recovered/{row['route']}"] == pytest.approx(row["gain_recovered"])
+    assert Path(out["student_uri"], "model.safetensors").is_file()
