@@ -132,3 +132,21 @@ def test_the_merge_table_has_base_teacher_and_student_accuracy_retention_and_gai
         if row["gain_recovered"] is not None:
             assert metrics[f"gain_recovered/{row['route']}"] == pytest.approx(row["gain_recovered"])
     assert Path(out["student_uri"], "model.safetensors").is_file()
+
+
+def test_peft_adapter_merges_of_the_same_specialists_are_reported_beside_the_opd_student(real_path, small_routes):
+    from flows.bench.adapter_merges import AdapterMergesConfig, compare
+
+    _, out = real_path
+    rows = compare(AdapterMergesConfig(merged=out["student_uri"], spec=str(small_routes),
+                                       methods=["task_arithmetic", "ties"]))
+    routes = [r["route"] for r in out["rows"]]
+    assert [(r["method"], r["route"]) for r in rows] == [(m, r) for m in ("opd", "task_arithmetic", "ties")
+                                                         for r in routes]
+    opd = {r["route"]: r for r in out["rows"]}
+    for row in rows:  # the same base and teacher accuracies the merge measured, on the same prompts
+        assert row["teacher_accuracy"] == opd[row["route"]]["teacher_accuracy"]
+        assert 0.0 <= row["accuracy"] <= 1.0 and row["retention"] is not None
+    assert [r["accuracy"] for r in rows[:len(routes)]] == [opd[r]["student_accuracy"] for r in routes]
+    merged = Path(out["student_uri"]).parent.parent / "adapter_merges"
+    assert json.loads(next(merged.glob("ties-*")).joinpath("weight_merge.json").read_text())["peft_combination"] == "ties"
