@@ -145,3 +145,13 @@ def test_gain_recovered_is_the_share_of_the_teachers_gain_over_the_base_the_stud
     assert gain_recovered(0.3, 0.8, 0.4) == pytest.approx(-0.25)  # below the base: negative, not hidden
     assert gain_recovered(0.9, 0.8, 0.4) == pytest.approx(1.25)
     assert gain_recovered(0.5, 0.4, 0.4) is None and gain_recovered(0.5, 0.3, 0.4) is None  # no gain to recover
+
+
+def test_a_lora_student_is_refused_where_full_weights_are_read():
+    from tasks.config import OPDConfig
+
+    with pytest.raises(ValueError, match="lora_rank > 0"):
+        OPDConfig(lora_rank=8, rollout_backend="vllm")
+    with pytest.raises(ValueError, match="lora_rank > 0"):
+        OPDConfig(lora_rank=8, nproc=2, batch_size=8)
+    assert OPDConfig(lora_rank=8).lora_targets[0] == "q_proj"

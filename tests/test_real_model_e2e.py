@@ -150,3 +150,15 @@ def test_peft_adapter_merges_of_the_same_specialists_are_reported_beside_the_opd
     assert [r["accuracy"] for r in rows[:len(routes)]] == [opd[r]["student_accuracy"] for r in routes]
     merged = Path(out["student_uri"]).parent.parent / "adapter_merges"
     assert json.loads(next(merged.glob("ties-*")).joinpath("weight_merge.json").read_text())["peft_combination"] == "ties"
+
+
+def test_a_lora_student_merges_and_is_saved_merged_with_its_adapter(real_path):
+    from flows.merge import merge
+
+    cfg, first = real_path
+    out = merge(cfg.merge(first["base_uri"], first["teachers"], opd={"steps": 2, "lora_rank": 4, "cold_start_steps": 0},
+                          label="lora-student"))
+    folder = Path(out["student_uri"])
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert json.loads((folder / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    assert [r["route"] for r in out["rows"]] == [r["route"] for r in first["rows"]]
