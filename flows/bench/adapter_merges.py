@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = parse_config(argv, AdapterMergesConfig, __doc__)
     rows = compare(cfg)
-    merged = Path(cfg.merged) if cfg.merged else Path(rows[0]["merged"])
+    merged = Path(rows[0]["merged"])  # the folder compare() read (cfg.merged, or the newest merge)
     keys = ["method", "route", "base_accuracy", "teacher_accuracy", "accuracy", "retention", "gain_recovered", "seconds"]
     print(format_table(["method", "route", "base acc", "teacher acc", "acc", "retention", "gain rec.", "merge s"],
                        [[r[k] for k in keys] for r in rows]))

@@ -201,10 +201,11 @@ def merge_checkpoints(
 
 def adapter_of(uri: str | Path) -> Path | None:
     """The peft adapter a LoRA-trained checkpoint keeps beside its merged weights (``<uri>/adapter``), if any."""
+    from tasks.common.adapters import ADAPTER_CONFIG
     from tasks.training.sft import ADAPTER
 
     folder = Path(uri) / ADAPTER
-    return folder if (folder / "adapter_config.json").is_file() else None
+    return folder if (folder / ADAPTER_CONFIG).is_file() else None
 
 
 def merge_adapters(base_uri: str | Path, adapter_dirs: Sequence[str | Path], method: str, out_dir: str | Path,
@@ -214,11 +215,12 @@ def merge_adapters(base_uri: str | Path, adapter_dirs: Sequence[str | Path], met
     and saved like :func:`merge_checkpoints`'s result. ValueError when an adapter was trained on another base."""
     from peft import PeftModel
 
+    from tasks.common.adapters import ADAPTER_CONFIG
     from tasks.modeling.models import load_model, save_model
     from tasks.specs.tokenizer import load_tokenizer
 
     for folder in adapter_dirs:
-        trained_on = json.loads((Path(folder) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        trained_on = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
         if trained_on and Path(str(trained_on)).resolve() != Path(base_uri).resolve():
             raise ValueError(f"adapter {folder} was trained on {trained_on}, not on the base {base_uri}")
     names = [f"expert{i}" for i in range(len(adapter_dirs))]
