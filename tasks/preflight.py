@@ -115,6 +115,22 @@ def world_problems(world) -> tuple[dict[str, tuple[list[str], list[str]]], list[
     return splits, problems
 
 
+def device_problems(cfg) -> list[Problem]:
+    """Every ``*device`` field of a flow's config (``opd.device``, ``opd.teacher_device``, ``base_train.device``,
+    ...) names a device this machine has: ``cuda`` where torch sees no GPU is refused before any model work."""
+    from tasks.config import flatten
+    from tasks.modeling.device import resolve_device
+
+    problems = []
+    for name, value in flatten(cfg).items():
+        if name.split(".")[-1].endswith("device"):
+            try:
+                resolve_device(value)
+            except ValueError as e:
+                problems.append(Problem(CONFIG, name, str(e)))
+    return problems
+
+
 def spec_problems(cfg, tokenizer: str = "", context: int = 128):
     """The prompt set a flow with ``cfg.spec`` / ``cfg.world`` will read, built here (cached) with ``tokenizer`` (the
     folder of the model that reads it), and the problems that keep it from being built: for the built-in world its

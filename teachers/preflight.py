@@ -16,6 +16,7 @@ from typing import Any
 from tasks.common.paths import models_dir, registry_path
 from tasks.preflight import (
     CONFIG,
+    device_problems,
     Checkpoint,
     Problem,
     Report,
@@ -64,6 +65,7 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     """Check everything the merge flow will read, before it loads a model: the config's URIs, the prompt sets, the
     registry and routing, the student and every routed teacher. Raises :class:`InputError` listing every problem."""
     problems = credential_problems({"student_uri": cfg.student_uri, "opd.reference_uri": cfg.opd.reference_uri})
+    problems += device_problems(cfg)
     student_uri = cfg.student_uri
     if not student_uri:
         marker = models_dir() / "LATEST_BASE"
@@ -117,7 +119,7 @@ def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
     except ConversionError as e:
         return finish([Problem(CONFIG, "base_model", str(e))], Report(), say_warnings)
     ps, problems = spec_problems(cfg, base_model, cfg.model.max_positions)
-    problems += registry_problems(registry)[1]
+    problems += device_problems(cfg) + registry_problems(registry)[1]
     prefix = cfg.specialists("").name_prefix
     for route in (ps.routes if ps is not None else []):
         try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -233,6 +234,12 @@ def _student(uri: str):
     return setup
 
 
+def _opd(**fields):
+    def setup(p: Project):
+        return p.cfg.model_copy(update={"opd": p.cfg.opd.model_copy(update=fields)})
+    return setup
+
+
 def _student_missing(p: Project):
     return p.cfg.model_copy(update={"student_uri": str(p.tmp / "no-such-student")})
 
@@ -370,6 +377,9 @@ MERGE_CASES = {
     "world-too-small-for-splits": (_world_too_small, "config", "world (route sort-low)",
                                    "expected a world whose prompt sets can be drawn"),
 }
+if not torch.cuda.is_available():  # a GPU named where there is none: refused before any model loads
+    MERGE_CASES["teacher-device-cuda-without-gpu"] = (_opd(teacher_device="cuda"), "config", "opd.teacher_device",
+                                                      "torch sees no CUDA GPU")
 
 
 @pytest.mark.parametrize("case", sorted(MERGE_CASES))

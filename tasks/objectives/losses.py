@@ -239,9 +239,18 @@ class ExtrapolatedHead(torch.nn.Module):
 
     def forward(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
         V = self.vocab_size
-        logp_t_N_V = F.log_softmax(self.teacher_head(hidden_N_H[..., : self.teacher_width])[..., :V].float(), dim=-1)
-        logp_r_N_V = F.log_softmax(self.reference_head(hidden_N_H[..., self.teacher_width:])[..., :V].float(), dim=-1)
+        h_t_N_H = head_input(self.teacher_head, hidden_N_H[..., : self.teacher_width])
+        h_r_N_H = head_input(self.reference_head, hidden_N_H[..., self.teacher_width:])
+        logp_t_N_V = F.log_softmax(self.teacher_head(h_t_N_H)[..., :V].float(), dim=-1)
+        logp_r_N_V = F.log_softmax(self.reference_head(h_r_N_H)[..., :V].float(), dim=-1).to(logp_t_N_V.device)
         return self.scale * logp_t_N_V + (1.0 - self.scale) * logp_r_N_V
+
+
+def head_input(head: Head, hidden_N_H: torch.Tensor) -> torch.Tensor:
+    """``hidden_N_H`` on ``head``'s device and in its weights' dtype (a teacher and a reference may sit on different
+    devices, in different dtypes, their hidden states concatenated in fp32); unchanged for a head without weights."""
+    weight = next(iter(head.parameters()), None) if isinstance(head, torch.nn.Module) else None
+    return hidden_N_H if weight is None else hidden_N_H.to(device=weight.device, dtype=weight.dtype)
 
 
 # Diagnostics summed per sequence by :func:`chunked_objective` (all at the divergence temperature, no gradient).
@@ -337,16 +346,25 @@ def chunked_objective(
         raise ValueError("loss 'sft' needs the target tokens (targets_B_T)")
     if needs_tokens and tokens is None:
         raise ValueError(f"loss {obj.loss!r} with a sequence advantage needs TokenInputs (targets and old log-probs)")
-    mask_B_T = mask_B_T.to(torch.float32)
+    # Everything meets on the student's device (masks, weights and token inputs may come from the CPU); the teacher's
+    # logits are moved there chunk by chunk.
+    device = student_hidden_B_T_H.device
+    mask_B_T = mask_B_T.to(device=device, dtype=torch.float32)
     B, T = mask_B_T.shape
     weight_B = mask_B_T.new_ones(B) if weight_B is None else weight_B.to(mask_B_T)
     seq_adv_B = mask_B_T.new_zeros(B) if seq_adv_B is None else seq_adv_B.to(mask_B_T)
 
     targets_B_T = tokens.targets_B_T if targets_B_T is None and tokens is not None else targets_B_T
+    targets_B_T = None if targets_B_T is None else targets_B_T.to(device)
+    if tokens is not None:
+        tokens = TokenInputs(*(t.to(device) for t in (tokens.targets_B_T, tokens.logq_behaviour_B_T,
+                                                      tokens.logq_old_B_T)))
 
     def chunk(hs_B_C_H, ht_B_C_H, m_B_C, tgt_B_C, *tok_B_C):
-        with torch.no_grad():
-            zt_B_C_V = teacher_head(ht_B_C_H)[..., :vocab_size].float()
+        # The teacher's head in its own dtype (a student's autocast must not lower an fp32 teacher's precision), then
+        # fp32 on the student's device; both sides' log-softmax and every difference below are fp32.
+        with torch.no_grad(), torch.autocast(ht_B_C_H.device.type, enabled=False):
+            zt_B_C_V = teacher_head(ht_B_C_H)[..., :vocab_size].float().to(device)
         zs_B_C_V = student_head(hs_B_C_H)[..., :vocab_size].float()
         logq_B_C_V = F.log_softmax(zs_B_C_V / obj.temperature, dim=-1)
         logp_B_C_V = F.log_softmax(zt_B_C_V / obj.temperature, dim=-1)

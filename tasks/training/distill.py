@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tasks.modeling.device import autocast_for
 from tasks.modeling.engines import ALL_VOCAB, VLLMRollout, rollout_with_logprobs
 from tasks.objectives.losses import DIAGNOSTICS, ExtrapolatedHead, Objective, TokenInputs, chunked_objective
 from tasks.modeling.rollout import (
@@ -226,7 +227,8 @@ class BatchProducer:
 
     With a vLLM ``engine`` the engine is the rollout model: the student's weights are pushed into it before it
     generates a batch for a newer student (after every optimizer step when each batch serves one update), and
-    ``sync_seconds`` is that push's cost.
+    ``sync_seconds`` is that push's cost. With the engine's sleep mode (GPUs, ``opd.vllm_enable_sleep_mode``) the
+    engine sleeps once a batch is made, while the update runs, and wakes to sync and sample the next one.
     """
 
     def __init__(
@@ -274,7 +276,10 @@ class BatchProducer:
             if on_policy and self.engine is not None and self.engine.version != version:
                 self.engine.sync(self.student, version)
                 self.sync_seconds = self.engine.sync_seconds
-            return self._make(self.student, on_policy, version, self.sampler.draw(self.batch_size))
+            batch = self._make(self.student, on_policy, version, self.sampler.draw(self.batch_size))
+            if self.engine is not None:  # the update comes next: with sleep mode it gets the engine's GPU memory
+                self.engine.sleep()  # (the engine wakes itself to sync and sample: VLLMRollout.wake_up)
+            return batch
         if self.pending is None:
             self._sync(version)
             self.pending = self._submit(lmbda, version)
@@ -375,7 +380,9 @@ def extrapolate_scores(
     ref_head = reference.get_output_embeddings()
     out = {}
     for name, (rows, hidden_b_T_Ht, head) in scores.items():
-        out[name] = TeacherScore(rows, torch.cat([hidden_b_T_Ht, ref_B_T_H[torch.tensor(rows)]], dim=-1),
+        # Side by side in fp32 on the teacher's device: the head casts each part back (losses.head_input).
+        ref_b_T_Hr = ref_B_T_H[torch.tensor(rows, device=ref_B_T_H.device)].to(hidden_b_T_Ht.device, torch.float32)
+        out[name] = TeacherScore(rows, torch.cat([hidden_b_T_Ht.float(), ref_b_T_Hr], dim=-1),
                                  ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale, vocab_size))
     if costs is not None:
         cost = costs.setdefault("reference", [0.0, 0.0])
@@ -433,7 +440,7 @@ def update_step(
     seq_adv_B = None
     if reward_weight > 0 and batch.on_policy:
         seq_adv_B = sequence_advantages(batch.rewards_B, routes, reward_weight)
-    loss = student_hidden_b_T_H.new_zeros(())
+    loss = student_hidden_b_T_H.new_zeros((), dtype=torch.float32)
     stats = StepStats(loss=0.0, tokens=total_tokens)
     # In teacher-name order, whatever order they scored in (the pool loads resident ones first): the loss sums the
     # same way every run, so a resumed merge stays bit-identical.
@@ -449,21 +456,22 @@ def update_step(
             if batch.tokens is not None and (obj.policy_gradient or seq_adv_B is not None):
                 tokens = TokenInputs(batch.tokens.targets_B_T[idx], batch.tokens.logq_behaviour_B_T[idx],
                                      batch.tokens.logq_old_B_T[idx])
-            res = chunked_objective(
-                student_hidden_b_T_H[idx - mine.start],
-                hidden_b_T_H[torch.tensor(js), :-1],
-                student.get_output_embeddings(),
-                teacher_head,
-                mask_B_T[idx],
-                obj,
-                tokens=tokens,
-                seq_adv_B=None if seq_adv_B is None or tokens is None else seq_adv_B[idx],
-                weight_B=torch.tensor([route_weights.get(routes[i], 1.0) for i in idx.tolist()]),
-                chunk_size=chunk_size,
-                normalizer=total_tokens,
-                targets_B_T=rollout.sequences_B_T[idx, 1:],
-                vocab_size=vocab_size,
-            )
+            with autocast_for(student):  # the student's head under its compute dtype (the teacher's is not)
+                res = chunked_objective(
+                    student_hidden_b_T_H[idx - mine.start],
+                    hidden_b_T_H[torch.tensor(js), :-1],
+                    student.get_output_embeddings(),
+                    teacher_head,
+                    mask_B_T[idx],
+                    obj,
+                    tokens=tokens,
+                    seq_adv_B=None if seq_adv_B is None or tokens is None else seq_adv_B[idx],
+                    weight_B=torch.tensor([route_weights.get(routes[i], 1.0) for i in idx.tolist()]),
+                    chunk_size=chunk_size,
+                    normalizer=total_tokens,
+                    targets_B_T=rollout.sequences_B_T[idx, 1:],
+                    vocab_size=vocab_size,
+                )
             loss = loss + res.loss
             for k, row in enumerate(idx.tolist()):
                 r = routes[row]

@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.config import PretrainConfig, WorldConfig
 from tasks.common.log import say
 from tasks.evaluation.evaluate import evaluate_routes
+from tasks.modeling.device import place_trained
 from tasks.modeling.models import create_model, load_model, save_model
 from tasks.common.paths import models_dir, state_cache_policy
 from tasks.common.problems import InputError
@@ -95,7 +96,8 @@ def _pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:
     ps = load_prompt_set(prompt_set)
     tok = ps.tokenizer()
     train = ps.splits["train"]
-    model = create_model(tok, seed=cfg.train.seed, **cfg.model.model_dump())
+    model = place_trained(create_model(tok, seed=cfg.train.seed, **cfg.model.model_dump()), cfg.train.device,
+                          cfg.train.dtype)
     run_id = start_run("opd-base", f"base-{cfg.config_hash()}", config_params(cfg))
     train_sft(model, tok, train["prompt"], train["completion"], cfg.train, desc="base pre-training",
               on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))

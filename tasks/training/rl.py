@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.training.distill import verifier_rewards
 from tasks.objectives.losses import policy_gradient_loss
+from tasks.modeling.device import autocast_for
 from tasks.modeling.rollout import Rollout, forward_hidden, generate, token_logprobs
 from tasks.training.sft import make_optimizer
 from tasks.specs.verifiers import Verifier
@@ -52,18 +53,21 @@ def policy_loss(
     on-policy ratio is 1. The head runs chunk by chunk with recomputation, so no ``[B, T, V]``
     tensor is kept."""
     hidden_B_T_H = forward_hidden(model, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
-    targets_B_T = rollout.sequences_B_T[:, 1:]
-    mask_B_T = rollout.loss_mask_B_T().float()
+    device = hidden_B_T_H.device
+    targets_B_T = rollout.sequences_B_T[:, 1:].to(device)
+    mask_B_T = rollout.loss_mask_B_T().float().to(device)
+    adv_B, logq_old_B_T = adv_B.to(device), logq_old_B_T.to(device)
     head = model.get_output_embeddings()
 
     def chunk(h_B_C_H, tgt_B_C, old_B_C, m_B_C):
-        z_B_C_V = head(h_B_C_H)[..., :vocab_size].float()
+        with autocast_for(model):
+            z_B_C_V = head(h_B_C_H)[..., :vocab_size].float()
         logq_B_C = F.log_softmax(z_B_C_V / temperature, dim=-1).gather(-1, tgt_B_C[..., None]).squeeze(-1)
         adv_B_C = adv_B[:, None].expand_as(m_B_C)
         old_B_C = old_B_C.masked_fill(m_B_C == 0, 0.0)
         return (policy_gradient_loss(logq_B_C, old_B_C, adv_B_C, "clip", clip_eps) * m_B_C).sum()
 
-    total = hidden_B_T_H.new_zeros(())
+    total = hidden_B_T_H.new_zeros((), dtype=torch.float32)
     for s in range(0, hidden_B_T_H.shape[1], chunk_size):
         sl = slice(s, s + chunk_size)
         if not bool(mask_B_T[:, sl].any()):

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from tasks.config import LoRAFields, TrainConfig
+from tasks.modeling.device import autocast_for, model_device
 from tasks.modeling.rollout import position_ids_from_mask
 
 
@@ -69,14 +70,19 @@ def sft_batch(tok: PreTrainedTokenizerBase, prompts: list[str], completions: lis
 
 
 def sft_loss(model: PreTrainedModel, batch: SFTBatch) -> torch.Tensor:
-    out = model(
-        input_ids=batch.input_ids_B_T,
-        attention_mask=batch.attention_mask_B_T,
-        position_ids=position_ids_from_mask(batch.attention_mask_B_T),
-        labels=batch.labels_B_T,
-        use_cache=False,
-    )
-    return out.loss
+    """The mean next-token cross-entropy of the batch's labelled tokens, on the model's device under its compute
+    dtype (:func:`tasks.modeling.device.autocast_for`)."""
+    device = model_device(model)
+    mask_B_T = batch.attention_mask_B_T.to(device)
+    with autocast_for(model):
+        out = model(
+            input_ids=batch.input_ids_B_T.to(device),
+            attention_mask=mask_B_T,
+            position_ids=position_ids_from_mask(mask_B_T),
+            labels=batch.labels_B_T.to(device),
+            use_cache=False,
+        )
+    return out.loss.float()
 
 
 def make_optimizer(model: PreTrainedModel, lr: float, weight_decay: float, warmup: int, steps: int):

@@ -17,6 +17,7 @@ from prefect import task
 from tasks.common.log import say
 from tasks.config import RLConfig, TrainConfig
 from tasks.evaluation.evaluate import RouteScore, evaluate_route
+from tasks.modeling.device import place_trained
 from tasks.modeling.models import load_model
 from tasks.common.paths import models_dir, state_cache_policy
 from tasks.specs.prompt_set import load_prompt_set
@@ -93,7 +94,7 @@ def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprin
         raise ValueError(f"route {route}: no training prompts in {prompt_set}")
     verify = ps.verifier(route)
     base = load_model(base_uri)
-    model = with_lora(base, train) if trainer == "sft" else base
+    model = place_trained(with_lora(base, train) if trainer == "sft" else base, train.device, train.dtype)
     cap = ps.cap(route)
     run_id = start_run(SPECIALISTS_EXPERIMENT, f"specialist-{route}" if trainer == "sft" else f"specialist-rl-{route}",
                        {**config_params(train), "trainer": trainer, "route": route, "base_uri": base_uri,
