@@ -21,7 +21,7 @@ from prefect.artifacts import create_table_artifact
 from flows.names import current_run_name, from_parameters, merge_name
 from tasks.common.log import link, say
 from tasks.config import MergeConfig, pipeline_config
-from tasks.evaluation.evaluate import mean_retention
+from tasks.evaluation.evaluate import below_base, mean_retention
 from tasks.merging.merge import TrackingUnavailable, mark_failed, open_merge_run, run_merge
 from teachers.preflight import preflight_merge
 from tasks.training.pretrain import latest_base, prompt_set_task
@@ -68,6 +68,8 @@ def merge(cfg: MergeConfig = MergeConfig()) -> dict:
     table = format_retention_table(result["rows"])
     mean = mean_retention(result["rows"])
     say(f"retention per route (mean {mean:.3f}):\n{table}")
+    if warning := below_base(result["rows"]):
+        say(warning)
     if result["retention_by"]:
         say("retention per label (mean over its routes): "
             + ", ".join(f"{group} {value:.3f}" for group, value in result["retention_by"].items()))

@@ -23,6 +23,7 @@ from tasks.common.log import link, say
 from tasks.config import PipelineConfig, pipeline_config
 from teachers.preflight import preflight_pipeline
 from tasks.specs.spec import spec_label
+from tasks.evaluation.evaluate import below_base
 from tasks.tracking.runs import format_retention_table, run_url, tracking_uri
 
 
@@ -44,6 +45,7 @@ def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     say(f"pipeline done in {minutes:.1f} min; mean retention {result['mean_retention']:.3f}\n"
         f"{format_retention_table(result['rows'])}\n"
         + "".join(f"  retention of {group}: {value:.3f}\n" for group, value in result["retention_by"].items())
+        + "".join(f"{line}\n" for line in [below_base(result["rows"])] if line)
         + f"MLflow run {result['run_id']} (experiment {cfg.experiment}) in {tracking_uri()}\n"
         f"  look at it: make ui-mlflow  (http://127.0.0.1:5000)")
     return {"base_uri": base["uri"], "teachers": teachers, **result, "minutes": minutes}

@@ -108,3 +108,14 @@ def test_no_other_module_computes_a_mean_over_routes_by_hand():
     offenders = [f"{p.relative_to(root)}:{i}" for p in files if p.parent.name != "tests"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if hand_made.search(line)]
     assert offenders == []
+
+
+def test_a_route_left_below_its_base_is_named_in_the_summary_with_both_accuracies():
+    from tasks.evaluation.evaluate import below_base
+
+    rows = [{"route": "sort-high", "base_accuracy": 0.675, "student_accuracy": 0.660},  # retention 0.684, gain -0.05
+            {"route": "sort-low", "base_accuracy": 0.825, "student_accuracy": 0.950},
+            {"route": "rev-low", "base_accuracy": 0.400, "student_accuracy": 0.400}]  # equal: not below
+    assert below_base(rows) == ("warning: the student ended below its base on 1 route(s): sort-high (student 0.660 < "
+                                "base 0.675)")
+    assert below_base(rows[1:]) == ""

@@ -139,6 +139,15 @@ def mean_retention(rows: Iterable[Mapping[str, Any]]) -> float:
     return route_mean(row["retention"] for row in rows)
 
 
+def below_base(rows: Iterable[Mapping[str, Any]]) -> str:
+    """The summary's warning when the merge left any route below its base (student accuracy < base accuracy on the
+    same held-out prompts: a negative gain recovered, which a high retention can hide), naming each such route with
+    both accuracies; empty when none is."""
+    under = [f"{r['route']} (student {r['student_accuracy']:.3f} < base {r['base_accuracy']:.3f})" for r in rows
+             if r["student_accuracy"] < r["base_accuracy"]]
+    return f"warning: the student ended below its base on {len(under)} route(s): " + ", ".join(under) if under else ""
+
+
 def label_means(per_route: Mapping[str, float], labels: Mapping[str, Mapping[str, str]]) -> dict[str, float]:
     """``{"<label>/<value>": mean}`` for every label a route spec gives (``domain``, ``budget``, ...): the
     :func:`route_mean` over the routes carrying that value, so "how much math did the merge keep" (``domain/math``)
