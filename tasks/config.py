@@ -300,14 +300,13 @@ class OPDConfig(LoRAFields, DeviceFields):
                 raise ValueError(f"opd.rdzv_endpoint {self.rdzv_endpoint!r} is not HOST:PORT")
         if self.nproc == 1:
             return self
-        if self.dist_backend == "nccl":
-            from tasks.modeling.device import resolve_device
+        if self.dist_backend == "nccl":  # the launcher's own rule (resolve_backend), applied before any work
+            from tasks.modeling.device import resolve_backend, resolve_device
 
-            device = resolve_device(self.device).type
-            if device != "cuda":
-                raise ValueError(f"opd.dist_backend 'nccl' needs the student on CUDA GPUs, one per process, but its "
-                                 f"device {self.device!r} is the {device.upper()} here: nccl moves only CUDA tensors; "
-                                 "use 'gloo' or 'auto'")
+            try:
+                resolve_backend(self.dist_backend, resolve_device(self.device).type)
+            except ValueError as e:
+                raise ValueError(f"opd.{e} (opd.device {self.device!r})") from None
         if self.batch_size < self.nproc:
             raise ValueError(f"opd.batch_size {self.batch_size} < opd.nproc {self.nproc}: every process needs a row")
         # Why each is refused (the student's weights are sharded over the processes; these read them whole).

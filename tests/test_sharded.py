@@ -13,8 +13,9 @@ from tasks.training.distill import extrapolate_scores, sample_batch, score_with_
 from tasks.modeling.teacher import checkpoint_teachers
 from tasks.objectives.losses import Objective
 from tasks.modeling.models import create_model
+from tasks.modeling.device import resolve_backend
 from tasks.training.launch import launch, node_command, torchrun_args
-from tasks.training.sharded import (full_state_dict, rank, resolve_backend, rows_of, shard_groups, shard_student,
+from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups, shard_student,
                                     sum_stats)
 from tasks.world.tokenizer import build_char_tokenizer
 from tasks.training.sft import make_optimizer

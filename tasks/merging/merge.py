@@ -65,13 +65,13 @@ from tasks.modeling.rollout import eos_ids
 from tasks.common.paths import models_dir
 from tasks.specs.prompt_set import load_prompt_set
 from tasks.training.launch import job_dir, launch
-from tasks.training.sharded import (full_state_dict, rank, resolve_backend, rows_of, shard_groups, shard_student,
+from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups, shard_student,
                                     sum_stats)
 from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tasks.modeling.routing import Routing, TeacherRecord, registry_fingerprint
 from tasks.modeling.teacher import make_teachers, teacher_kind
 from tasks.modeling.teacher_pool import TeacherPool, host_parking
-from tasks.modeling.device import place_frozen, place_trained, resolve_device
+from tasks.modeling.device import place_frozen, place_trained, resolve_backend, resolve_device
 from tasks.training.sft import make_optimizer, save_trained, with_lora
 from tasks.tracking.runs import (
     STUDENT_MODEL,

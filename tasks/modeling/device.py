@@ -93,3 +93,14 @@ def place_trained(model: torch.nn.Module, device: DeviceName | str, dtype: DType
 def place_frozen(model: torch.nn.Module, device: DeviceName | str, dtype: DTypeName | str) -> torch.nn.Module:
     """A frozen model (a teacher, a reference) on its ``device``, its weights held in ``dtype``; returns it."""
     return model.to(device=resolve_device(device), dtype=torch_dtype(dtype))
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """The process-group backend for a student on ``device_type``: ``auto`` is nccl on CUDA, gloo on the CPU. nccl
+    on the CPU is refused: it moves only CUDA tensors."""
+    if backend == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise ValueError(f"dist_backend 'nccl' needs the student on CUDA GPUs (one per rank), not on {device_type}: "
+                         "nccl moves only CUDA tensors; use 'gloo' or 'auto'")
+    return backend

@@ -8,7 +8,7 @@ batch (same seed, same samples), then scores and learns on its contiguous rows o
 normaliser is the whole batch's response tokens) and FSDP sums the gradients, so N ranks take the step one process
 takes on the whole batch. Only rank 0 logs, saves and registers.
 
-The process group's backend (:func:`resolve_backend`) follows the student's device: nccl between GPUs (each rank on
+The process group's backend (:func:`tasks.modeling.device.resolve_backend`) follows the student's device: nccl between GPUs (each rank on
 its own, ``cuda:$LOCAL_RANK``), gloo between CPU processes.
 
 Run (a quick merge with the student update on 2 processes):
@@ -27,17 +27,6 @@ from transformers import PreTrainedModel
 from tasks.modeling.device import model_device
 from tasks.training.distill import StepStats
 from tasks.objectives.losses import DIAGNOSTICS
-
-
-def resolve_backend(backend: str, device_type: str) -> str:
-    """The process-group backend for a student on ``device_type``: ``auto`` is nccl on CUDA, gloo on the CPU. nccl
-    on the CPU is refused: it moves only CUDA tensors."""
-    if backend == "auto":
-        return "nccl" if device_type == "cuda" else "gloo"
-    if backend == "nccl" and device_type != "cuda":
-        raise ValueError(f"dist_backend 'nccl' needs the student on CUDA GPUs (one per rank), not on {device_type}: "
-                         "nccl moves only CUDA tensors; use 'gloo' or 'auto'")
-    return backend
 
 
 def rank() -> int:
