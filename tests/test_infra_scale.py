@@ -306,7 +306,9 @@ def stubs(tmp_path) -> tuple[Path, Path]:
         "#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" >\"$STUB_LOG/python3\"\n"
         "sleep 1; mkdir -p \"$OPD_HOME/jobs/run123\" && touch \"$OPD_HOME/jobs/run123/job.pkl\"\n")
     (bin_dir / "torchrun").write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\" >\"$STUB_LOG/torchrun\"\n")
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu-node-0\\ngpu-node-1\\n'\n")
+    # scontrol: the first host, a pause, then the rest, as a long node list arrives: a reader that stops after the
+    # first line (head -n 1) would end it with SIGPIPE, which pipefail turns into the script's exit (141).
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho gpu-node-0; sleep 0.3; echo gpu-node-1\n")
     # srun: one task per node, SLURM_NODEID 0..N-1, each in the background, as Slurm would start them.
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
