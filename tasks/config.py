@@ -194,6 +194,23 @@ class OPDConfig(LoRAFields, DeviceFields):
         False, description="Generate the next batch in a background thread (from a synced copy) during the update."
     )
     route_weights: dict[str, float] = Field(default_factory=dict, description="Per-route loss weights (default 1).")
+    route_sampling: Literal["uniform", "retention"] = Field(
+        "uniform", description="How each batch's prompts are spread over the routes: uniform, or retention = in "
+        "proportion to what each route still lacks (1 - retention on a slice of its training prompts held out from "
+        "training, smoothed across measurements, with a floor), remeasured every route_sampling_every steps "
+        "(tasks/merging/route_mix.py). MLflow logs route_share/<route> at every step.")
+    route_sampling_every: int = Field(
+        50, ge=1, le=1_000_000, description="route_sampling retention: steps between measurements of the held-out "
+        "slice (and at the start).")
+    route_sampling_prompts: int = Field(
+        32, ge=1, le=100_000, description="route_sampling retention: training prompts per route held out as its "
+        "slice (at most a quarter of the route's), never trained on.")
+    route_sampling_floor: float = Field(
+        0.5, ge=0, le=1, description="route_sampling retention: share of every batch spread uniformly, so each "
+        "route gets at least floor / routes of it (1 = uniform).")
+    route_sampling_smoothing: float = Field(
+        0.5, ge=0, lt=1, description="route_sampling retention: weight of the previous need in each new one "
+        "(exponential smoothing; 0 = the latest measurement alone).")
     route_max_new_tokens: dict[str, int] = Field(default_factory=dict, description="Per-route rollout length caps.")
     max_new_tokens: int | None = Field(
         None, ge=1, le=4096, description="Rollout length cap; default: longest gold completion + 2 tokens."

@@ -265,10 +265,10 @@ def test_mlflow_down_mid_merge_stops_it_clearly_and_the_same_command_resumes(sho
 
 def test_a_resumed_merge_keeps_the_batch_generated_ahead_reused_rollouts_and_the_teacher_pool(short_pipeline,
                                                                                                monkeypatch):
-    """Overlapped generation (a batch generated ahead while the update runs), rollout reuse (2 updates per batch) and
-    one resident teacher of three (evicted and reloaded every step): a merge that failed at its 7th update resumes
-    from its step-4 checkpoint (checkpoints wait for a batch boundary) to the weights and metrics of one that never
-    stopped."""
+    """Overlapped generation (a batch generated ahead while the update runs), rollout reuse (2 updates per batch),
+    one resident teacher of three (evicted and reloaded every step) and retention-driven route sampling (shares
+    remeasured every 3 steps): a merge that failed at its 7th update resumes from its step-4 checkpoint (checkpoints
+    wait for a batch boundary) to the weights and metrics of one that never stopped."""
     from flows.merge import merge
     from tests.faults import InjectedFault
 
@@ -278,7 +278,9 @@ def test_a_resumed_merge_keeps_the_batch_generated_ahead_reused_rollouts_and_the
         mcfg = cfg.merge(res["base_uri"], res["teachers"])
         opd = mcfg.opd.model_validate({**mcfg.opd.model_dump(), "steps": 10, "batch_size": 8, "eval_every": 5,
                                        "checkpoint_every": 3, "gate_threshold": 0.0, "overlap_generation": True,
-                                       "updates_per_batch": 2, "max_resident_teachers": 1})
+                                       "updates_per_batch": 2, "max_resident_teachers": 1,
+                                       "route_sampling": "retention", "route_sampling_every": 3,
+                                       "route_sampling_prompts": 8})
         return mcfg.model_copy(update={"label": label, "experiment": f"resume-{label}", "opd": opd})
 
     straight = merge(config("ahead-straight"))
@@ -305,6 +307,18 @@ def test_a_resumed_merge_keeps_the_batch_generated_ahead_reused_rollouts_and_the
     opd = config("ahead-resumed").opd
     moved = assert_trained_past(after, ckpt_step, ckpt_weights, total=opd.cold_start_steps + opd.steps)
     diff = assert_same_merge(after, ref)
-    assert histories(ref.info.run_id)["teachers/evictions"][-1][1] > 0
+    hist = histories(ref.info.run_id)
+    assert hist["teachers/evictions"][-1][1] > 0
+    # The shares every step was drawn with, from the slice measured at steps 0, 3, 6, 9: a route with more need has a
+    # larger share, and the shares changed during the merge.
+    routes = [k.split("/", 1)[1] for k in hist if k.startswith("route_share/")]
+    assert len(routes) == 3 and all([s for s, _ in hist[f"route_share/{r}"]] == list(range(1, 11)) for r in routes)
+    for step in (0, 3, 6, 9):
+        need = {r: dict(hist[f"route_sampling/need/{r}"])[step] for r in routes}
+        share = {r: dict(hist[f"route_share/{r}"])[step + 1] for r in routes}
+        assert sum(share.values()) == pytest.approx(1.0) and min(share.values()) >= 0.5 / 3 - 1e-9
+        assert sorted(routes, key=need.get) == sorted(routes, key=share.get) or len(set(need.values())) < 3, (need,
+                                                                                                             share)
+    assert len({tuple(dict(hist[f"route_share/{r}"])[s] for r in routes) for s in (1, 4, 7, 10)}) > 1
     print(f"\noverlap + reuse + 1 resident teacher, failed at step 7, resumed from step 4: weights moved {moved:.1e} "
           f"after the checkpoint, max abs weight diff {diff:.1e}, metric histories equal")

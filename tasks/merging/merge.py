@@ -60,6 +60,7 @@ from tasks.evaluation.evaluate import (
 )
 from tasks.objectives.losses import DIAGNOSTICS, Objective
 from tasks.merging.merge_state import MergeState
+from tasks.merging.route_mix import hold_out, route_need, route_shares, smooth_need
 from tasks.modeling.models import checkpoint_fingerprint, load_model
 from tasks.modeling.rollout import eos_ids
 from tasks.common.paths import models_dir
@@ -252,7 +253,10 @@ class MergeLoop:
         self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         self.caps = {r: opd.route_max_new_tokens.get(r, opd.max_new_tokens or self.ps.cap(r)) for r in self.routes}
-        self.sampler = PromptSampler(self.ps.train_sets(), opd.seed)
+        train_sets, self.mix_slice = self.ps.train_sets(), None
+        if opd.route_sampling == "retention":  # a slice of each route's training prompts, never trained on
+            train_sets, self.mix_slice = hold_out(train_sets, opd.route_sampling_prompts)
+        self.sampler = PromptSampler(train_sets, opd.seed)
         train = self.ps.splits["train"]
         gold = dict(zip(train["prompt"], train["completion"]))
         self.eval_sets = self.ps.eval_sets()
@@ -371,7 +375,28 @@ class MergeLoop:
         self.log({**{f"teacher_accuracy/{r}": a for r, a in self.state.teacher_acc.items()},
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
                   **route_metrics(base, self.state.teacher_acc, self.labels)}, 0)
+        if self.mix_slice is not None:
+            self.state.slice_teacher_acc = {
+                r: evaluate_route(self.teachers[self.teacher_of[r]].model, self.tok, self.verifiers[r],
+                                  *self.mix_slice[r], self.caps[r]).accuracy for r in self.routes}
+            self.log({f"route_sampling/teacher_accuracy/{r}": a for r, a in self.state.slice_teacher_acc.items()}, 0)
+            self.log(self.reweigh(), 0)
         return base
+
+    def reweigh(self) -> dict[str, float]:
+        """Retention-driven route sampling: measure the student on each route's held-out slice, update the smoothed
+        need and the sampler's shares (:mod:`tasks.merging.route_mix`); returns what to log."""
+        opd = self.opd
+        student = {r: s.accuracy for r, s in evaluate_routes(self.student, self.tok, self.mix_slice, self.caps,
+                                                             self.verifiers).items()}
+        need = route_need(student, self.state.slice_teacher_acc)
+        self.state.route_need = smooth_need(self.state.route_need, need, opd.route_sampling_smoothing)
+        self.sampler.shares = route_shares(self.state.route_need, opd.route_sampling_floor)
+        self.say(f"step {self.state.step}: route shares " + ", ".join(
+            f"{r} {self.sampler.shares[r]:.2f} (slice retention "
+            f"{retention(student[r], self.state.slice_teacher_acc[r]):.2f})" for r in self.routes))
+        return {**{f"route_sampling/accuracy/{r}": a for r, a in student.items()},
+                **{f"route_sampling/need/{r}": v for r, v in self.state.route_need.items()}}
 
     def stage(self, name: str, steps: int, lr: float, lmbda: float, objectives: dict[str, Objective]) -> None:
         """``steps`` optimizer steps with their own warmup + cosine schedule; each batch is on-policy with
@@ -452,6 +477,10 @@ class MergeLoop:
                         m["time/sync"] = producer.sync_seconds
                 if self.state.step % opd.eval_every == 0:
                     m.update(self._eval_metrics())
+                if self.mix_slice is not None:  # the shares this step's batch was drawn with, then the next ones
+                    m.update({f"route_share/{r}": v for r, v in self.sampler.shares.items()})
+                    if self.state.step % opd.route_sampling_every == 0:
+                        m.update(self.reweigh())
                 self.log({k: v for k, v in m.items() if v == v and abs(v) != float("inf")}, self.state.step)
                 bar.set_postfix(loss=f"{st.loss:.4f}", refresh=False)
                 if self.state.bad_steps > opd.max_bad_steps:
@@ -518,6 +547,8 @@ class MergeLoop:
             self.pool[name]
         self.pool.loads, self.pool.evictions = s.teachers["loads"], s.teachers["evictions"]
         self.sampler.rng.setstate(s.sampler_rng)
+        if self.mix_slice is not None and s.route_need:
+            self.sampler.shares = route_shares(s.route_need, self.opd.route_sampling_floor)
         self.say(f"resuming from the checkpoint at step {s.step} ({self.resumed_from})")
 
     def _resume_trainer(self, optimizer, scheduler, producer: BatchProducer) -> None:

@@ -50,6 +50,9 @@ class MergeState:
     gates: list[GateResult] = field(default_factory=list)
     window: dict[str, dict[str, float]] = field(default_factory=dict)
     teacher_acc: dict[str, float] = field(default_factory=dict)
+    # opd.route_sampling retention: the teachers' accuracy on the held-out slice and each route's smoothed need.
+    slice_teacher_acc: dict[str, float] = field(default_factory=dict)
+    route_need: dict[str, float] = field(default_factory=dict)
     base_scores: dict[str, RouteScore] = field(default_factory=dict)
     scores: dict[str, RouteScore] = field(default_factory=dict)
     teacher_costs: dict[str, list[float]] = field(default_factory=dict)  # teacher -> [tokens scored, seconds]

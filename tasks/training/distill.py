@@ -200,15 +200,20 @@ class OffPolicyData:
 
 
 class PromptSampler:
-    """Draws batches mixed uniformly over routes from each route's training prompts (``route -> (prompts,
-    answers)``), deterministic in ``seed``; also flips GKD's lambda coin for each batch."""
+    """Draws batches from each route's training prompts (``route -> (prompts, answers)``), deterministic in
+    ``seed``: each row's route uniformly, or by ``shares`` (route -> probability, set by the merge's retention-driven
+    route sampling, :mod:`tasks.merging.route_mix`) when set; also flips GKD's lambda coin for each batch."""
 
     def __init__(self, train: dict[str, tuple[list[str], list[str]]], seed: int):
         self.train, self.routes = train, list(train)
         self.rng = random.Random(seed)
+        self.shares: dict[str, float] | None = None
 
     def draw(self, n: int) -> tuple[list[str], list[str], list[str]]:
-        routes = [self.routes[self.rng.randrange(len(self.routes))] for _ in range(n)]
+        if self.shares is None:
+            routes = [self.routes[self.rng.randrange(len(self.routes))] for _ in range(n)]
+        else:
+            routes = self.rng.choices(self.routes, weights=[self.shares[r] for r in self.routes], k=n)
         picks = [self.rng.randrange(len(self.train[r][0])) for r in routes]
         return [self.train[r][0][i] for r, i in zip(routes, picks)], routes, [self.train[r][1][i] for r, i in zip(routes, picks)]
 
