@@ -194,6 +194,14 @@ class OPDConfig(LoRAFields, DeviceFields):
         False, description="Generate the next batch in a background thread (from a synced copy) during the update."
     )
     route_weights: dict[str, float] = Field(default_factory=dict, description="Per-route loss weights (default 1).")
+    route_normalization: str = Field(
+        "none", description="Per-group signal normalisation (DN-MOPD's per-domain advantage normalisation): none; "
+        "route = scale each route's per-token objective by the batch's spread over the route's own (standard "
+        "deviations of the per-token values), clipped to [1 / route_normalization_clip, route_normalization_clip], so "
+        "one route's large divergences do not drown the others' gradients; label:KEY = the same over the groups of "
+        "a spec label (label:domain). MLflow logs signal_scale/<route> every step.")
+    route_normalization_clip: float = Field(
+        4.0, ge=1.0, le=1000.0, description="route_normalization: the scales are clipped to [1 / this, this].")
     route_sampling: Literal["uniform", "retention"] = Field(
         "uniform", description="How each batch's prompts are spread over the routes: uniform, or retention = in "
         "proportion to what each route still lacks (1 - retention on a slice of its training prompts held out from "
@@ -338,6 +346,8 @@ class OPDConfig(LoRAFields, DeviceFields):
                                        "to every process; not built yet"),
             "teacher_backend 'vllm'": (self.teacher_backend == "vllm", "every process would start and check its own "
                                        "engine per teacher; not built yet"),
+            "route_normalization": (self.route_normalization != "none", "each process would measure the spreads on "
+                                    "its own rows, not the whole batch's; not built yet"),
         }
         for name, (on, why) in unsupported.items():
             if on:
@@ -347,6 +357,10 @@ class OPDConfig(LoRAFields, DeviceFields):
 
     @model_validator(mode="after")
     def _objectives(self) -> "OPDConfig":
+        if self.route_normalization not in ("none", "route") and not (
+                self.route_normalization.startswith("label:") and len(self.route_normalization) > 6):
+            raise ValueError(f"opd.route_normalization {self.route_normalization!r}: expected none, route or "
+                             "label:KEY (a label of the spec's routes, e.g. label:domain)")
         for name, value in self.route_weights.items():
             if value < 0:
                 raise ValueError(f"route_weights[{name!r}] = {value}: weights must be >= 0")

@@ -46,3 +46,18 @@ def test_cli_flags_are_the_dotted_field_names_and_mlflow_params_match():
     assert set(params) == set(flatten(cfg))
     with pytest.raises(SystemExit, match="opd.lr"):
         parse_config(["--opd.lr", "-1"], pipeline_config, "t", with_profile=True)
+
+
+def test_route_normalization_and_route_sampling_are_validated():
+    from tasks.config import OPDConfig
+
+    assert OPDConfig(route_normalization="label:domain").route_normalization == "label:domain"
+    for bad in ("bogus", "label:", "routes"):
+        with pytest.raises(ValueError, match="expected none, route or label:KEY"):
+            OPDConfig(route_normalization=bad)
+    with pytest.raises(ValueError, match="route_normalization: each process would measure"):
+        OPDConfig(route_normalization="route", nproc=2)
+    with pytest.raises(ValueError):
+        OPDConfig(route_sampling="weighted")
+    with pytest.raises(ValueError):
+        OPDConfig(route_sampling_floor=1.5)

@@ -408,3 +408,32 @@ def test_extrapolated_scores_target_the_teacher_at_scale_one_and_past_it_beyond(
             got = torch.log_softmax(head(hidden), -1)
         assert torch.allclose(got[mask], expected[mask], atol=1e-4)
     assert costs["reference"][0] == 2 * float(ro.attention_mask_B_T.sum())  # the whole batch, once per call
+
+
+def test_route_normalization_scales_each_groups_tokens_to_the_batch_spread(tok):
+    """opd.route_normalization: the step's loss is each group's summed reverse KL times std(batch) / std(group), the
+    spreads computed here from the per-token KLs of the full logits (not the losses module's own sums)."""
+    student, teacher = tiny(tok, 8), tiny(tok, 9)
+    batch, hidden = _batch_and_scores(tok, student, teacher)
+    opt = torch.optim.SGD(student.parameters(), lr=0.0)
+    objs = {r: Objective("reverse_kl") for r in ROUTES}
+    with torch.no_grad():
+        hs = forward_hidden(student, batch.rollout.sequences_B_T, batch.rollout.attention_mask_B_T)[:, :-1]
+        logq = torch.log_softmax(student.get_output_embeddings()(hs), -1)
+        logp = torch.log_softmax(teacher.get_output_embeddings()(hidden["t"][1][:, :-1]), -1)
+    kl_B_T = (logq.exp() * (logq - logp)).sum(-1)
+    mask_B_T = batch.rollout.loss_mask_B_T().bool()
+    pooled = kl_B_T[mask_B_T]
+    for groups in ({r: r for r in ROUTES}, {"shift-low": "low", "sort-low": "low", "rev-high": "high"}):
+        values = {g: kl_B_T[torch.tensor([groups[r] == g for r in batch.routes])][mask_B_T[torch.tensor(
+            [groups[r] == g for r in batch.routes])]] for g in set(groups.values())}
+        scale = {g: min(max(float(pooled.std(unbiased=False) / v.std(unbiased=False)), 0.25), 4.0)
+                 for g, v in values.items()}
+        expected = sum(scale[g] * float(v.sum()) for g, v in values.items()) / int(mask_B_T.sum())
+        st = update_step(student, batch, hidden, objs, opt, normalize_groups=groups)
+        assert st.loss == pytest.approx(expected, rel=1e-4), groups
+        assert st.signal_scale == pytest.approx({r: scale[groups[r]] for r in ROUTES}, rel=1e-4)
+        assert len(set(scale.values())) > 1  # the groups' spreads differ: a scale of 1 everywhere would fail here
+    plain = update_step(student, batch, hidden, objs, opt)
+    assert plain.loss == pytest.approx(float(pooled.sum()) / int(mask_B_T.sum()), rel=1e-4)
+    assert plain.signal_scale == {}

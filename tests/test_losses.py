@@ -1053,3 +1053,19 @@ def test_activation_checkpointing_only_when_a_gradient_is_needed(monkeypatch):
     assert len(calls) == 3  # one recomputable chunk per chunk with a masked position (7 positions by 3)
     _close(no_grad.loss, ref.loss, rtol=0, atol=0)
     _close(res.loss, ref.loss, rtol=1e-7, atol=0)
+
+
+def test_spread_scales_bring_each_group_to_the_batch_spread_within_the_clip():
+    """Hand-computed: group a's tokens {1, 3} (std 1), b's {0, 0, 0, 4} (std sqrt(3)), pooled {1, 3, 0, 0, 0, 4}
+    (mean 4/3, E[x^2] = 26/6, std sqrt(26/6 - 16/9) = sqrt(23/9))."""
+    from tasks.objectives.losses import spread_scales
+
+    sums = {"a": (2.0, 4.0, 10.0), "b": (4.0, 4.0, 16.0)}
+    whole = (23 / 9) ** 0.5
+    assert spread_scales(sums, 4.0) == pytest.approx({"a": whole / 1.0, "b": whole / 3 ** 0.5})
+    assert spread_scales(sums, 1.2) == pytest.approx({"a": 1.2, "b": whole / 3 ** 0.5})  # a clipped to 1.2
+    assert spread_scales({**sums, "c": (3.0, 6.0, 12.0)}, 4.0)["c"] == 1.0  # c's tokens all 2: no spread, scale 1
+    assert spread_scales({"a": (2.0, 4.0, 8.0)}, 4.0) == {"a": 1.0}  # no spread anywhere
+    # a: {-1e-3, 1e-3} (std 1e-3), b: {-10, 10} (std 10), pooled std sqrt(50 + 5e-7): a's scale clipped to 4.
+    tiny = spread_scales({"a": (2.0, 0.0, 2e-6), "b": (2.0, 0.0, 200.0)}, 4.0)
+    assert tiny == pytest.approx({"a": 4.0, "b": (50.0 + 5e-7) ** 0.5 / 10.0})

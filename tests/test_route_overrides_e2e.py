@@ -34,6 +34,7 @@ def overridden(short_pipeline):
         "route_max_new_tokens": {"rev-high": CAP},
         "route_loss": {"sort-low": "forward_kl"},
         "route_weights": {"rev-low": 3.0, "sort-low": 0.0},
+        "route_normalization": "label:budget",  # rev-low and sort-low share a group, rev-high has its own
     })})
     tok = load_tokenizer(res["base_uri"])
     updates, scored = [], []
@@ -97,10 +98,20 @@ def test_route_loss_and_weight_are_what_each_update_applies(overridden):
         assert weights == {"rev-low": 3.0, "sort-low": 0.0}
         assert objectives["sort-low"].loss == "forward_kl" and objectives["rev-low"].loss == "reverse_kl"
         assert objectives["rev-high"].loss == "reverse_kl"
-        # The step's loss is the weighted sum of the routes' summed objectives over the batch's response tokens:
-        # rev-low counts three times, sort-low not at all, although sort-low's own objective is not zero.
-        expected = (3.0 * stats.loss_sum.get("rev-low", 0.0) + stats.loss_sum.get("rev-high", 0.0)) / stats.tokens
+        # The step's loss is the weighted sum of the routes' summed objectives over the batch's response tokens,
+        # each scaled by its budget group's signal normalisation: rev-low counts three times, sort-low not at all,
+        # although sort-low's own objective is not zero.
+        scale = stats.signal_scale
+        assert scale["rev-low"] == scale["sort-low"] and set(scale) == set(routes)
+        expected = (3.0 * scale["rev-low"] * stats.loss_sum.get("rev-low", 0.0)
+                    + scale["rev-high"] * stats.loss_sum.get("rev-high", 0.0)) / stats.tokens
         assert stats.loss == pytest.approx(expected, rel=1e-4, abs=1e-7)
         assert "sort-low" in routes and stats.loss_sum["sort-low"] > 0
-    params = MlflowClient(tracking_uri()).get_run(overridden[1]["run_id"]).data.params
+        assert all(0.25 <= v <= 4.0 for v in scale.values())
+    assert any(u[4].signal_scale["rev-high"] != 1.0 for u in updates)
+    client = MlflowClient(tracking_uri())
+    params = client.get_run(overridden[1]["run_id"]).data.params
     assert json.loads(params["opd.route_weights"]) == {"rev-low": 3.0, "sort-low": 0.0}
+    assert params["opd.route_normalization"] == "label:budget"
+    logged = client.get_metric_history(overridden[1]["run_id"], "signal_scale/rev-high")
+    assert [m.value for m in logged] == pytest.approx([u[4].signal_scale["rev-high"] for u in updates])

@@ -252,6 +252,15 @@ class MergeLoop:
         self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
         self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
+        # opd.route_normalization: each route's group (itself, or its value of a spec label; unlabelled: itself).
+        key = opd.route_normalization.removeprefix("label:")
+        if opd.route_normalization.startswith("label:") and not any(key in self.labels[r] for r in self.routes):
+            known = sorted({k for r in self.routes for k in self.labels[r]})
+            raise ValueError(f"opd.route_normalization {opd.route_normalization!r}: no route of the spec has label "
+                             f"{key!r}; its labels: {known or 'none'}")
+        self.norm_groups = (None if opd.route_normalization == "none" else
+                            {r: r if opd.route_normalization == "route" else f"{key}={self.labels[r].get(key, r)}"
+                             for r in self.routes})
         self.caps = {r: opd.route_max_new_tokens.get(r, opd.max_new_tokens or self.ps.cap(r)) for r in self.routes}
         train_sets, self.mix_slice = self.ps.train_sets(), None
         if opd.route_sampling == "retention":  # a slice of each route's training prompts, never trained on
@@ -444,7 +453,8 @@ class MergeLoop:
                 staleness = self.state.version - batch.version if batch.on_policy else 0
                 st = update_step(self.student, batch, hidden, objectives, optimizer, scheduler,
                                  opd.chunk_size, opd.grad_clip, opd.route_weights, opd.reward_weight, rows,
-                                 vocab_size=len(self.tok))
+                                 vocab_size=len(self.tok), normalize_groups=self.norm_groups,
+                                 normalize_clip=opd.route_normalization_clip)
                 if rows is not None:
                     st = sum_stats(st, self.routes)
                 uses += 1
@@ -462,6 +472,7 @@ class MergeLoop:
                      "teachers/loads": float(self.pool.loads), "teachers/evictions": float(self.pool.evictions),
                      "teachers/resident": float(len(self.pool.resident)),
                      "time/train_total": self.state.train_seconds}
+                m.update({f"signal_scale/{r}": v for r, v in st.signal_scale.items()})
                 if self.pool.park is not None:  # teachers parked in host memory, moved back to the GPU
                     m["teachers/unparks"] = float(self.pool.unparks)
                 if uses == 1:

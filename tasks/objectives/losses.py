@@ -286,6 +286,10 @@ class ObjectiveResult:
     reverse_kl_sum_B: torch.Tensor
     tokens_B: torch.Tensor
     diagnostics_B_4: torch.Tensor | None = None
+    # Each sequence's share of ``loss`` (with the gradient: ``loss == loss_B.sum()``) and its per-token values'
+    # squares summed (detached): what per-route signal normalisation (:func:`spread_scales`) rescales and measures.
+    loss_B: torch.Tensor | None = None
+    loss_sq_sum_B: torch.Tensor | None = None
 
 
 @dataclass
@@ -391,11 +395,13 @@ def chunked_objective(
             per_tok_B_C = per_tok_B_C + policy_gradient_loss(
                 logq_x_B_C, logq_beh_B_C, adv_B_C, obj.correction, obj.clip_eps, obj.ratio_cap
             )
-        return (per_tok_B_C * m_B_C).sum(-1), (rkl_B_C * m_B_C).sum(-1), diag_B_4
+        return ((per_tok_B_C * m_B_C).sum(-1), (rkl_B_C * m_B_C).sum(-1), diag_B_4,
+                (per_tok_B_C.detach() ** 2 * m_B_C).sum(-1))
 
     loss_sum_B = mask_B_T.new_zeros(B)
     rkl_sum_B = mask_B_T.new_zeros(B)
     diag_sum_B_4 = mask_B_T.new_zeros(B, len(DIAGNOSTICS))
+    sq_sum_B = mask_B_T.new_zeros(B)
     for start in range(0, T, chunk_size):
         sl = slice(start, min(start + chunk_size, T))
         m_B_C = mask_B_T[:, sl]
@@ -408,18 +414,39 @@ def chunked_objective(
         if torch.is_grad_enabled() and student_hidden_B_T_H.requires_grad:
             # The chunk draws no random numbers: preserving torch's RNG state would only save and restore the global
             # generator during backward, rewinding the draws of an overlapped rollout thread sampling meanwhile.
-            l_B, r_B, d_B_4 = checkpoint(chunk, *args, use_reentrant=False, preserve_rng_state=False)
+            l_B, r_B, d_B_4, q_B = checkpoint(chunk, *args, use_reentrant=False, preserve_rng_state=False)
         else:
-            l_B, r_B, d_B_4 = chunk(*args)
+            l_B, r_B, d_B_4, q_B = chunk(*args)
         loss_sum_B = loss_sum_B + l_B
+        sq_sum_B = sq_sum_B + q_B.detach()
         rkl_sum_B = rkl_sum_B + r_B.detach()
         diag_sum_B_4 = diag_sum_B_4 + d_B_4.detach()
     tokens_B = mask_B_T.sum(-1)
     denom = float(normalizer) if normalizer is not None else max(float(tokens_B.sum()), 1.0)
+    loss_B = loss_sum_B * weight_B / denom
     return ObjectiveResult(
-        loss=(loss_sum_B * weight_B).sum() / denom,
+        loss=loss_B.sum(),
         loss_sum_B=loss_sum_B.detach(),
         reverse_kl_sum_B=rkl_sum_B,
         tokens_B=tokens_B,
         diagnostics_B_4=diag_sum_B_4,
+        loss_B=loss_B,
+        loss_sq_sum_B=sq_sum_B,
     )
+
+
+def spread_scales(sums: dict[str, tuple[float, float, float]], clip: float) -> dict[str, float]:
+    """Per-group signal normalisation (DN-MOPD's per-domain advantage normalisation): each group's (a route's, or a
+    spec label value's) per-token signal is scaled by ``std(batch) / std(group)``, clipped to ``[1 / clip, clip]``,
+    so that one group's large divergences do not drown the others' gradients. ``sums``: group -> (tokens, sum of the
+    per-token values, sum of their squares); the batch's spread pools every group's tokens. A group with no spread (or
+    a batch with none) keeps scale 1."""
+    def std(n: float, s: float, q: float) -> float:
+        return max(q / n - (s / n) ** 2, 0.0) ** 0.5 if n > 0 else 0.0
+
+    whole = std(*(sum(v[i] for v in sums.values()) for i in range(3)))
+    out = {}
+    for group, (n, s, q) in sums.items():
+        own = std(n, s, q)
+        out[group] = min(max(whole / own, 1.0 / clip), clip) if own > 0 and whole > 0 else 1.0
+    return out

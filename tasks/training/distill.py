@@ -19,7 +19,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.modeling.device import autocast_for
 from tasks.modeling.engines import ALL_VOCAB, VLLMRollout, rollout_with_logprobs
-from tasks.objectives.losses import DIAGNOSTICS, ExtrapolatedHead, Objective, TokenInputs, chunked_objective
+from tasks.objectives.losses import (DIAGNOSTICS, ExtrapolatedHead, Objective, ObjectiveResult, TokenInputs,
+                                     chunked_objective, spread_scales)
 from tasks.modeling.rollout import (
     Rollout,
     cap_responses,
@@ -73,6 +74,7 @@ class StepStats:
     repetition: dict[str, float] = field(default_factory=dict)  # per route: summed per-sequence repeated-3-gram rate
     length: dict[str, float] = field(default_factory=dict)  # per route: response tokens summed
     seconds: dict[str, float] = field(default_factory=dict)  # teacher / update
+    signal_scale: dict[str, float] = field(default_factory=dict)  # per route: its group's normalisation scale
     grad_norm: float = 0.0  # before clipping
     skipped: bool = False  # non-finite loss or gradient norm: no optimizer step was taken
 
@@ -419,6 +421,8 @@ def update_step(
     reward_weight: float = 0.0,
     shard: slice | None = None,
     vocab_size: int | None = None,
+    normalize_groups: Mapping[str, str] | None = None,
+    normalize_clip: float = 4.0,
 ) -> StepStats:
     """One optimizer step on ``batch``: rows are grouped by (teacher, route objective) and each group's objective is
     summed over its response tokens; the total is divided by the batch's response tokens. ``route_weights`` scale a
@@ -431,7 +435,11 @@ def update_step(
     ``shard`` (one rank's contiguous rows of a sharded student, :mod:`tasks.training.sharded`): only those rows are learned
     from and ``teacher_hidden`` scores only them, while the normaliser and the reward baseline stay the whole batch's,
     so the loss is these rows' share of the whole batch's and the ranks' summed gradients are its gradient; the
-    statistics cover these rows."""
+    statistics cover these rows.
+
+    ``normalize_groups`` (route -> its group: itself, or a spec label's value; ``opd.route_normalization``): each
+    group's per-token signal is scaled by the batch's spread over its own (:func:`spread_scales`, clipped to
+    ``[1 / normalize_clip, normalize_clip]``), measured on this batch's tokens with no gradient."""
     t0 = time.perf_counter()
     rollout, routes = batch.rollout, batch.routes
     mine = shard or slice(0, len(routes))
@@ -445,7 +453,7 @@ def update_step(
     seq_adv_B = None
     if reward_weight > 0 and batch.on_policy:
         seq_adv_B = sequence_advantages(batch.rewards_B, routes, reward_weight)
-    loss = student_hidden_b_T_H.new_zeros((), dtype=torch.float32)
+    parts: list[tuple[list[str], ObjectiveResult]] = []  # each group's rows' routes and its objective's result
     stats = StepStats(loss=0.0, tokens=total_tokens)
     # In teacher-name order, whatever order they scored in (the pool loads resident ones first): the loss sums the
     # same way every run, so a resumed merge stays bit-identical.
@@ -477,7 +485,7 @@ def update_step(
                     targets_B_T=rollout.sequences_B_T[idx, 1:],
                     vocab_size=vocab_size,
                 )
-            loss = loss + res.loss
+            parts.append(([routes[row] for row in idx.tolist()], res))
             for k, row in enumerate(idx.tolist()):
                 r = routes[row]
                 stats.loss_sum[r] = stats.loss_sum.get(r, 0.0) + float(res.loss_sum_B[k])
@@ -485,6 +493,20 @@ def update_step(
                 stats.kl_tokens[r] = stats.kl_tokens.get(r, 0.0) + float(res.tokens_B[k])
                 for d, value in zip(DIAGNOSTICS, res.diagnostics_B_4[k].tolist()):
                     getattr(stats, d)[r] = getattr(stats, d).get(r, 0.0) + value
+    loss = student_hidden_b_T_H.new_zeros((), dtype=torch.float32)
+    if normalize_groups is None:
+        for _, res in parts:
+            loss = loss + res.loss
+    else:
+        sums: dict[str, list[float]] = {}
+        for rs, res in parts:
+            for r, n, l, q in zip(rs, res.tokens_B.tolist(), res.loss_sum_B.tolist(), res.loss_sq_sum_B.tolist()):
+                acc = sums.setdefault(normalize_groups[r], [0.0, 0.0, 0.0])
+                acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + l, acc[2] + q
+        scales = spread_scales({g: tuple(v) for g, v in sums.items()}, normalize_clip)
+        for rs, res in parts:
+            loss = loss + (res.loss_B * res.loss_B.new_tensor([scales[normalize_groups[r]] for r in rs])).sum()
+        stats.signal_scale = {r: scales[normalize_groups[r]] for r in dict.fromkeys(routes[mine])}
     for row in range(mine.start, mine.stop):
         r = routes[row]
         stats.sequences[r] = stats.sequences.get(r, 0) + 1
