@@ -194,6 +194,12 @@ class OPDConfig(LoRAFields, DeviceFields):
         False, description="Generate the next batch in a background thread (from a synced copy) during the update."
     )
     route_weights: dict[str, float] = Field(default_factory=dict, description="Per-route loss weights (default 1).")
+    recovery_prompts: int = Field(
+        64, ge=0, le=100_000, description="Recovery diagnostic: held-out prompts per route whose gold completion "
+        "gets one injected error in its trace; the share of greedy continuations that still reach the right answer "
+        "is logged for the base and the teacher (recovery/base|teacher/<route>, at the start) and the student "
+        "(recovery/student/<route>, at the end). Routes whose completions have no trace before the answer are "
+        "skipped; 0 = off.")
     route_normalization: str = Field(
         "none", description="Per-group signal normalisation (DN-MOPD's per-domain advantage normalisation): none; "
         "route = scale each route's per-token objective by the batch's spread over the route's own (standard "

@@ -437,3 +437,56 @@ def test_route_normalization_scales_each_groups_tokens_to_the_batch_spread(tok):
     plain = update_step(student, batch, hidden, objs, opt)
     assert plain.loss == pytest.approx(float(pooled.sum()) / int(mask_B_T.sum()), rel=1e-4)
     assert plain.signal_scale == {}
+
+
+def test_an_injected_error_derails_one_trace_token_and_leaves_a_bare_answer_alone(tok):
+    import random
+
+    from tasks.evaluation.evaluate import inject_error
+
+    completion = "1x1,3x1,4x1|134"
+    seen = set()
+    for seed in range(40):
+        prefix = inject_error(tok, completion, "134", random.Random(seed))
+        # A strict prefix of the trace "1x1,3x1,4x1|" up to its last-but-one token, its last character wrong, and
+        # that character one of the completion's own.
+        assert 1 <= len(prefix) <= len("1x1,3x1,4x1")
+        assert prefix[:-1] == completion[: len(prefix) - 1] and prefix[-1] != completion[len(prefix) - 1]
+        assert prefix[-1] in set(completion)
+        seen.add(len(prefix))
+    assert len(seen) > 5  # the error lands at different steps
+    assert inject_error(tok, "3|pju", "pju", random.Random(0))[0] in "|pju"  # the only step: the length
+    assert inject_error(tok, "0235", "0235", random.Random(0)) is None  # a bare answer: no trace to derail
+    assert inject_error(tok, "|0235", "0235", random.Random(0)) is None  # the separator alone
+    assert inject_error(tok, "a>c|cdbc", "xyz", random.Random(0)) is None  # not ending in its answer
+
+
+def test_recovery_continues_each_derailed_prefix_greedily_under_its_own_cap(tok):
+    """recovery_rate's one batched generation equals generating each derailed prefix alone with the budget the
+    route's cap leaves it, and the verifier sees the prefix and the continuation together."""
+    import random
+
+    from tasks.evaluation.evaluate import inject_error, recovery_rate
+    from tasks.modeling.rollout import decode_responses, generate
+
+    student = tiny(tok, 5)
+    route = Route.parse("sort-high")
+    problems = ["5203", "91", "777", "8812", "44019", "310"]
+    prompts = [format_prompt(route, p) for p in problems]
+    answers = [domain_of(route).answer(p) for p in problems]
+    completions = [gold_completion(route, p) for p in problems]
+    cap = 24
+    seen: list[str] = []
+
+    def verify(text, answer, row):  # passes a text whose continuation stayed within the cap's budget
+        seen.append(text)
+        return float(len(text) % 2 == 0)
+
+    rate = recovery_rate(student, tok, verify, prompts, answers, completions, cap, seed=3)
+    expected = []
+    for i, (p, a, c) in enumerate(zip(prompts, answers, completions)):
+        e = inject_error(tok, c, a, random.Random(3 * 1_000_003 + i))
+        (cont,) = decode_responses(tok, generate(student, tok, [p + e], cap - len(e), greedy=True))
+        expected.append(e + cont)
+    assert seen == expected
+    assert rate == sum(len(t) % 2 == 0 for t in expected) / len(expected)

@@ -115,6 +115,13 @@ def test_mlflow_holds_per_route_metrics_params_and_artifacts(quick_run):
         assert history[-1].value == pytest.approx(row["retention"]), route
     for name in result["teachers"]:
         assert m[f"teacher_tokens/{name}"] > 0 and m[f"time/teacher_total/{name}"] > 0
+    # The recovery diagnostic: only rev-high's completions have a trace before the answer ("5|edcba"); the low
+    # routes' bare answers have none to derail. Its teacher, trained on gold traces only, is measured at step 0.
+    for who in ("base", "teacher", "student"):
+        assert {k for k in m if k.startswith(f"recovery/{who}/")} == {f"recovery/{who}/rev-high"}, who
+        assert 0 <= m[f"recovery/{who}/rev-high"] <= 1
+    assert [h.step for h in client.get_metric_history(run.info.run_id, "recovery/student/rev-high")] == [
+        cfg.opd.steps]
     assert run.data.metrics["retention/mean"] == pytest.approx(result["mean_retention"])
     assert run.data.params["opd.steps"] == str(cfg.opd.steps)
     assert json.loads(run.data.params["world.routes"]) == cfg.world.routes

@@ -3,13 +3,14 @@ student accuracy / teacher accuracy."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.modeling.rollout import decode_responses, generate
+from tasks.modeling.rollout import cap_responses, decode_responses, eos_ids, generate
 from tasks.specs.verifiers import Verifier
 
 
@@ -65,6 +66,42 @@ def evaluate_routes(
     route -> its verifier."""
     caps = max_new_tokens if isinstance(max_new_tokens, dict) else {r: max_new_tokens for r in eval_sets}
     return {r: evaluate_route(model, tok, verifiers[r], p, a, caps[r]) for r, (p, a) in eval_sets.items()}
+
+
+def inject_error(tok: PreTrainedTokenizerBase, completion: str, answer: str, rng: random.Random) -> str | None:
+    """A prefix of a gold ``completion`` that ends in one wrong step: its trace (the text before its final
+    ``answer``) cut at a random token, that token replaced by another token of the completion. None when the
+    completion does not end in its answer or has no trace of two tokens or more to derail (a bare answer)."""
+    if not answer or not completion.endswith(answer):
+        return None
+    trace_ids = tok(completion[: len(completion) - len(answer)], add_special_tokens=False).input_ids
+    if len(trace_ids) < 2:
+        return None
+    pos = rng.randrange(len(trace_ids) - 1)  # never the trace's last token (the separator before the answer)
+    others = sorted(set(tok(completion, add_special_tokens=False).input_ids) - {trace_ids[pos]})
+    if not others:
+        return None
+    return tok.decode(trace_ids[:pos] + [rng.choice(others)])
+
+
+def recovery_rate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, verify: Verifier, prompts: list[str],
+                  answers: list[str], completions: list[str], max_new_tokens: int, seed: int = 0) -> float | None:
+    """The recovery diagnostic: from each gold completion's prefix with one injected error (:func:`inject_error`,
+    seeded per row so every model sees the same errors), the share of the model's greedy continuations whose whole
+    completion (prefix + continuation) the verifier still passes. A teacher that only learnt gold traces derails with
+    the error; one that knows how to go on from a mistake recovers, which is what on-policy distillation draws on.
+    None when no row has a trace to derail."""
+    rows = [(p, a, e) for i, (p, a, c) in enumerate(zip(prompts, answers, completions))
+            if (e := inject_error(tok, c, a, random.Random(seed * 1_000_003 + i))) is not None]
+    if not rows:
+        return None
+    # Each prefix leaves its own budget under the route's cap: one batch generated to the largest, each row cut to
+    # its own (greedy decoding of a row does not depend on the others).
+    rooms = [max(max_new_tokens - len(tok(e, add_special_tokens=False).input_ids), 1) for _, _, e in rows]
+    ro = cap_responses(generate(model, tok, [p + e for p, _, e in rows], max(rooms), greedy=True), rooms,
+                       eos_ids(tok, model))
+    texts = [e + t for (_, _, e), t in zip(rows, decode_responses(tok, ro))]
+    return sum(right(verify, texts, [a for _, a, _ in rows], [p for p, _, _ in rows])) / len(rows)
 
 
 @dataclass(frozen=True)

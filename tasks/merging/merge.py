@@ -54,6 +54,7 @@ from tasks.evaluation.evaluate import (
     evaluate_routes,
     label_means,
     mean_retention,
+    recovery_rate,
     retention,
     route_mean,
     sampled_pass_at_k,
@@ -384,6 +385,10 @@ class MergeLoop:
         self.log({**{f"teacher_accuracy/{r}": a for r, a in self.state.teacher_acc.items()},
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
                   **route_metrics(base, self.state.teacher_acc, self.labels)}, 0)
+        self.state.recovery = {"base": self.recovery(self.student),
+                               "teacher": {r: v for r in self.routes if (v := self.recovery(
+                                   self.teachers[self.teacher_of[r]].model, [r]).get(r)) is not None}}
+        self.log({f"recovery/{who}/{r}": v for who, per in self.state.recovery.items() for r, v in per.items()}, 0)
         if self.mix_slice is not None:
             self.state.slice_teacher_acc = {
                 r: evaluate_route(self.teachers[self.teacher_of[r]].model, self.tok, self.verifiers[r],
@@ -391,6 +396,20 @@ class MergeLoop:
             self.log({f"route_sampling/teacher_accuracy/{r}": a for r, a in self.state.slice_teacher_acc.items()}, 0)
             self.log(self.reweigh(), 0)
         return base
+
+    def recovery(self, model, routes: list[str] | None = None) -> dict[str, float]:
+        """The recovery diagnostic (:func:`tasks.evaluation.evaluate.recovery_rate`) of ``model`` on the first
+        ``opd.recovery_prompts`` held-out prompts of each route (of ``routes``); routes without a trace to derail are
+        left out."""
+        n = self.opd.recovery_prompts
+        out = {}
+        for r in (routes or self.routes) if n else ():
+            prompts, answers = (x[:n] for x in self.eval_sets[r])
+            rate = recovery_rate(model, self.tok, self.verifiers[r], prompts, answers,
+                                 list(self.ps.rows("eval")[r]["completion"][:n]), self.caps[r], self.opd.seed)
+            if rate is not None:
+                out[r] = rate
+        return out
 
     def reweigh(self) -> dict[str, float]:
         """Retention-driven route sampling: measure the student on each route's held-out slice, update the smoothed
@@ -664,9 +683,17 @@ class MergeLoop:
         gc.collect()
 
     def finish(self) -> None:
-        """Evaluate at the last step unless that just happened, and log the window."""
+        """Evaluate at the last step unless that just happened, and log the window; then the student's recovery
+        diagnostic beside the base's and the teachers'."""
         if self.state.step % self.opd.eval_every:
             self.log(self._eval_metrics(), self.state.step)
+        student = self.recovery(self.student)
+        self.log({f"recovery/student/{r}": v for r, v in student.items()}, self.state.step)
+        rec = self.state.recovery
+        if student:
+            self.say("recovery from one injected error (share still right; base / teacher / student): " + ", ".join(
+                f"{r} {rec['base'].get(r, float('nan')):.2f} / {rec['teacher'].get(r, float('nan')):.2f} / {v:.2f}"
+                for r, v in student.items()))
 
 
 @task(name="distill", cache_policy=NO_CACHE, retry_condition_fn=is_transient)

@@ -53,6 +53,7 @@ class MergeState:
     # opd.route_sampling retention: the teachers' accuracy on the held-out slice and each route's smoothed need.
     slice_teacher_acc: dict[str, float] = field(default_factory=dict)
     route_need: dict[str, float] = field(default_factory=dict)
+    recovery: dict[str, dict[str, float]] = field(default_factory=dict)  # "base"/"teacher" -> route -> share
     base_scores: dict[str, RouteScore] = field(default_factory=dict)
     scores: dict[str, RouteScore] = field(default_factory=dict)
     teacher_costs: dict[str, list[float]] = field(default_factory=dict)  # teacher -> [tokens scored, seconds]
