@@ -115,6 +115,12 @@ class TrainConfig(LoRAFields, DeviceFields):
     warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
     seed: int = Field(0, ge=0, description="Seed for init, batch order and dropout.")
+    recovery_noise: float = Field(
+        0.0, ge=0, le=1.0, description="Share of training rows given one wrong step (DART-style noise injection): "
+        "the gold trace cut at a random token, that token replaced, then the gold trace from the next token on; "
+        "the loss covers only what follows the error, so the model learns to go on correctly from a mistake "
+        "(what a teacher needs to teach on the student's own states). Rows whose completion has no trace before its "
+        "answer stay as they are. 0 = gold rows only.")
 
 
 class RLConfig(DeviceFields):

@@ -490,3 +490,29 @@ def test_recovery_continues_each_derailed_prefix_greedily_under_its_own_cap(tok)
         expected.append(e + cont)
     assert seen == expected
     assert rate == sum(len(t) % 2 == 0 for t in expected) / len(expected)
+
+
+def test_recovery_noise_rows_put_the_error_in_the_prompt_and_the_gold_rest_in_the_loss(tok):
+    """DART-style rows (TrainConfig.recovery_noise): the wrong prefix is prompt (no loss), the gold rest after the
+    replaced token is the completion; the prefix and the rest rebuild the gold completion but for that one token."""
+    import random
+
+    from tasks.evaluation.evaluate import derail
+    from tasks.training.sft import noisy_row, sft_batch
+
+    completion, answer, prompt = "0x1,2x1,3x1,5x1|0235", "0235", "<bos><sort><high>5203="
+    for seed in range(30):
+        prefix, rest = derail(tok, completion, answer, random.Random(seed))
+        k = len(prefix) - 1  # the replaced character's place
+        assert prefix[:k] + completion[k] + rest == completion and prefix[k] != completion[k]
+    rng = random.Random(0)
+    rows = [noisy_row(tok, prompt, completion, answer, 0.5, rng) for _ in range(200)]
+    noisy = [r for r in rows if r != (prompt, completion)]
+    assert 70 < len(noisy) < 130  # about half
+    assert all(p.startswith(prompt) and len(p) > len(prompt) and completion.endswith(c) for p, c in noisy)
+    batch = sft_batch(tok, [p for p, _ in noisy[:4]], [c for _, c in noisy[:4]])
+    for i, (p, c) in enumerate(noisy[:4]):  # labelled: exactly the gold rest and EOS
+        labelled = batch.labels_B_T[i][batch.labels_B_T[i] != -100].tolist()
+        assert labelled == tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert noisy_row(tok, "<bos><sort><low>5203=", "0235", "0235", 1.0, random.Random(0)) == (
+        "<bos><sort><low>5203=", "0235")  # no trace: the row stays gold

@@ -68,10 +68,11 @@ def evaluate_routes(
     return {r: evaluate_route(model, tok, verifiers[r], p, a, caps[r]) for r, (p, a) in eval_sets.items()}
 
 
-def inject_error(tok: PreTrainedTokenizerBase, completion: str, answer: str, rng: random.Random) -> str | None:
-    """A prefix of a gold ``completion`` that ends in one wrong step: its trace (the text before its final
-    ``answer``) cut at a random token, that token replaced by another token of the completion. None when the
-    completion does not end in its answer or has no trace of two tokens or more to derail (a bare answer)."""
+def derail(tok: PreTrainedTokenizerBase, completion: str, answer: str, rng: random.Random) -> tuple[str, str] | None:
+    """One wrong step in a gold ``completion``: ``(prefix, rest)``, the prefix being its trace (the text before its
+    final ``answer``) cut at a random token with that token replaced by another token of the completion, and
+    ``rest`` the gold text after the replaced token (the right way on). None when the completion does not end in its
+    answer or has no trace of two tokens or more to derail (a bare answer)."""
     if not answer or not completion.endswith(answer):
         return None
     trace_ids = tok(completion[: len(completion) - len(answer)], add_special_tokens=False).input_ids
@@ -81,7 +82,13 @@ def inject_error(tok: PreTrainedTokenizerBase, completion: str, answer: str, rng
     others = sorted(set(tok(completion, add_special_tokens=False).input_ids) - {trace_ids[pos]})
     if not others:
         return None
-    return tok.decode(trace_ids[:pos] + [rng.choice(others)])
+    return tok.decode(trace_ids[:pos] + [rng.choice(others)]), completion[len(tok.decode(trace_ids[:pos + 1])):]
+
+
+def inject_error(tok: PreTrainedTokenizerBase, completion: str, answer: str, rng: random.Random) -> str | None:
+    """The prefix of :func:`derail`: a gold completion's trace cut at one wrong step (None: nothing to derail)."""
+    out = derail(tok, completion, answer, rng)
+    return None if out is None else out[0]
 
 
 def recovery_rate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, verify: Verifier, prompts: list[str],

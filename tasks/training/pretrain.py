@@ -100,7 +100,7 @@ def _pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:
                           cfg.train.dtype)
     run_id = start_run("opd-base", f"base-{cfg.config_hash()}", config_params(cfg))
     train_sft(model, tok, train["prompt"], train["completion"], cfg.train, desc="base pre-training",
-              on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
+              on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s), answers=train["answer"])
     scores = evaluate_routes(model, tok, ps.eval_sets(), ps.caps(), ps.verifiers)
     log_metrics(run_id, {f"accuracy/{r}": s.accuracy for r, s in scores.items()}, cfg.train.steps)
     out = save_model(model, tok, models_dir() / f"base-{cfg.config_hash()}")

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from tasks.config import LoRAFields, TrainConfig
+from tasks.evaluation.evaluate import derail
 from tasks.modeling.device import autocast_for, model_device
 from tasks.modeling.rollout import position_ids_from_mask
 
@@ -93,6 +94,15 @@ def make_optimizer(model: PreTrainedModel, lr: float, weight_decay: float, warmu
     return opt, get_cosine_schedule_with_warmup(opt, warmup, steps)
 
 
+def noisy_row(tok: PreTrainedTokenizerBase, prompt: str, completion: str, answer: str, rate: float,
+              rng: random.Random) -> tuple[str, str]:
+    """With probability ``rate``, ``(prompt + wrong prefix, gold rest)`` (:func:`derail`), else the row as it is."""
+    if rng.random() >= rate:
+        return prompt, completion
+    out = derail(tok, completion, answer, rng)
+    return (prompt, completion) if out is None else (prompt + out[0], out[1])
+
+
 def train_sft(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
@@ -102,10 +112,15 @@ def train_sft(
     desc: str = "sft",
     log_every: int = 50,
     on_log=None,
+    answers: list[str] | None = None,
 ) -> list[float]:
-    """Train on (prompt, completion) pairs with AdamW; returns the loss of every step. Shows a progress bar."""
+    """Train on (prompt, completion) pairs with AdamW; returns the loss of every step. Shows a progress bar. With
+    ``cfg.recovery_noise`` (needs each row's final ``answers``) that share of the rows drawn is derailed afresh each
+    time (:func:`tasks.evaluation.evaluate.derail`): the prompt gets the wrong prefix, the loss the gold rest."""
     if not prompts:
         raise ValueError(f"{desc}: no training rows")
+    if cfg.recovery_noise > 0 and (answers is None or len(answers) != len(prompts)):
+        raise ValueError(f"{desc}: recovery_noise needs each row's final answer, to find the trace before it")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     opt, sched = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.steps)
@@ -119,7 +134,10 @@ def train_sft(
             rng.shuffle(fresh)
             order.extend(fresh)
         idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
-        loss = sft_loss(model, sft_batch(tok, [prompts[i] for i in idx], [completions[i] for i in idx]))
+        rows = [(prompts[i], completions[i]) for i in idx]
+        if cfg.recovery_noise > 0:
+            rows = [noisy_row(tok, p, c, answers[i], cfg.recovery_noise, rng) for (p, c), i in zip(rows, idx)]
+        loss = sft_loss(model, sft_batch(tok, [p for p, _ in rows], [c for _, c in rows]))
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"{desc}: loss is {loss.item()} at step {step}")
         loss.backward()

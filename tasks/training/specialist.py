@@ -102,7 +102,7 @@ def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprin
     try:
         if trainer == "sft":
             train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
-                      on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s))
+                      on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s), answers=tr["answer"])
         else:
             train_rl(model, tok, route, verify, tr, ev, cap, train, run_id)
         # A LoRA specialist is saved, and evaluated as it teaches, merged into its base (its adapter beside it).
