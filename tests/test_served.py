@@ -1,8 +1,10 @@
 """Served teachers and vLLM engine settings without vllm (the parts that are plain functions): packing served
 log-probs with tensor ops (against the per-position loop it replaced), the objective a capped endpoint's routes learn
 and why it is exact, the temperature refusal, the engines' arguments from ``opd.vllm_*`` (GPU branch simulated), and
-the rollout engine's sleep / wake around the update. What needs vllm itself is in tests/test_vllm.py."""
+the rollout engine's sleep / wake around the update, and the environment set before vllm is imported (CPU thread
+binding; a stand-in vllm package records it). What needs vllm itself is in tests/test_vllm.py."""
 
+import sys
 import time
 from types import SimpleNamespace
 
@@ -18,7 +20,10 @@ from tasks.modeling.engines import (
     ServedHead,
     cap_warnings,
     capped_objective,
+    cpu_bind_env,
+    cpu_id_list,
     engine_args,
+    import_vllm,
     logprobs_cap,
     pack_prompt_logprobs,
     route_sequences,
@@ -218,6 +223,44 @@ def test_the_engine_fields_have_their_defaults_and_refusals():
         OPDConfig(vllm_enable_sleep_mode=True, rollout_backend="vllm", overlap_generation=True)
     with pytest.raises(ValueError):
         OPDConfig(vllm_gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize("cpus, bind", [({0, 1}, "0-1"), ({7, 0, 2, 3, 4}, "0,2-4,7"), ({3}, "3"),
+                                         ({0, 2, 4}, "0,2,4"), (range(16), "0-15")])
+def test_cpu_ids_are_written_as_vllms_bind_list(cpus, bind):
+    assert cpu_id_list(cpus) == bind
+
+
+def test_cpu_binding_takes_every_core_unless_the_user_set_either_variable():
+    assert cpu_bind_env({}, {0, 1}) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert cpu_bind_env({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {0, 1}) == {}
+    assert cpu_bind_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, {0, 1}) == {}
+
+
+BIND_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+@pytest.mark.parametrize("gpu, user, seen", [
+    (False, {}, ("0", "0-2,5", "0")),
+    (False, {"VLLM_CPU_OMP_THREADS_BIND": "1"}, ("0", "1", None)),  # the user's binding is kept, and decides alone
+    (False, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, ("1", None, "1")),
+    (True, {}, (None, None, None)),  # a GPU engine: nothing set
+])
+def test_the_cpu_engine_environment_is_set_before_vllm_is_imported(monkeypatch, tmp_path, gpu, user, seen):
+    # A stand-in vllm package records the environment as it is imported: set by then, it is set before any engine.
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(
+        f"import os\nSEEN = tuple(os.environ.get(k) for k in {BIND_VARS!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "vllm", None)  # undone at teardown: the real vllm (if imported) comes back,
+    del sys.modules["vllm"]  # and the stand-in goes
+    for key in BIND_VARS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in user.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(engines.os, "sched_getaffinity", lambda pid: {5, 0, 1, 2}, raising=False)
+    assert import_vllm().SEEN == seen
 
 
 def test_engine_args_on_cpu_follow_the_settings_and_refuse_sleep_mode_and_tensor_parallelism(monkeypatch):

