@@ -198,15 +198,24 @@ def prefect_ui_on_another_port(tmp_path):
         log.close()
 
 
+def post_api(url: str, body: dict) -> httpx.Response:
+    """POST to a Prefect server's API the way Prefect's own client does: a 503 (the server's answer while its SQLite
+    database is busy, as on a loaded 2-core machine right after it starts) is retried, a few times, then raised."""
+    for _ in range(6):
+        r = httpx.post(url, json=body, timeout=30)
+        if r.status_code != 503:
+            break
+        time.sleep(2)
+    return r.raise_for_status()
+
+
 def test_prefect_ui_on_another_port_calls_its_api_on_that_port(prefect_ui_on_another_port):
     ui = prefect_ui_on_another_port
     settings = httpx.get(f"{ui}/ui-settings", timeout=30).json()
     assert settings["api_url"] == f"{ui}/api", settings
     flow_name = f"ui-port-check-{ui.rsplit(':', 1)[1]}"  # exists only on this server: rendering it proves the calls
-    r = httpx.post(f"{ui}/api/flows/", json={"name": flow_name}, timeout=30)
-    r.raise_for_status()
-    httpx.post(f"{ui}/api/flow_runs/", json={"flow_id": r.json()["id"], "name": "ui-port-check-run"},
-               timeout=30).raise_for_status()
+    r = post_api(f"{ui}/api/flows/", {"name": flow_name})
+    post_api(f"{ui}/api/flow_runs/", {"flow_id": r.json()["id"], "name": "ui-port-check-run"})
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     driver = chromium()
