@@ -270,6 +270,9 @@ class MergeLoop:
         train = self.ps.splits["train"]
         gold = dict(zip(train["prompt"], train["completion"]))
         self.eval_sets = self.ps.eval_sets()
+        # The recovery diagnostic's gold traces: each route's held-out completions, read once.
+        self.eval_completions = {r: list(d["completion"][:opd.recovery_prompts])
+                                 for r, d in self.ps.rows("eval").items()} if opd.recovery_prompts else {}
         self.engine, self.servers = self._vllm_engines(cfg, records, gold)
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind.
         self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok))
@@ -406,7 +409,7 @@ class MergeLoop:
         for r in (routes or self.routes) if n else ():
             prompts, answers = (x[:n] for x in self.eval_sets[r])
             rate = recovery_rate(model, self.tok, self.verifiers[r], prompts, answers,
-                                 list(self.ps.rows("eval")[r]["completion"][:n]), self.caps[r], self.opd.seed)
+                                 self.eval_completions[r], self.caps[r], self.opd.seed)
             if rate is not None:
                 out[r] = rate
         return out
