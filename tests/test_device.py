@@ -221,3 +221,40 @@ def test_parking_applies_to_gpu_teachers_with_cpu_offload_only():
     assert set(parking) == {"park", "unpark"}
     m = parking["park"](torch.nn.Linear(2, 2))  # on this CPU machine: stays on the CPU (pinned only with CUDA)
     assert model_device(m) == torch.device("cpu")
+
+
+def test_merge_threads_default_to_the_cores_shared_out_among_a_machines_processes(monkeypatch):
+    from tasks.modeling.device import cpu_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_threads(0) == 8
+    assert cpu_threads(0, 3) == 2  # 8 cores, 3 ranks on this machine: 2 each, never more than the cores
+    assert cpu_threads(0, 16) == 1  # more ranks than cores: still one thread each
+    assert cpu_threads(5, 3) == 5  # an explicit count is taken as given
+    with pytest.raises(ValidationError):
+        OPDConfig(threads=-1)
+
+
+def test_the_merge_runs_under_opd_threads_and_gives_the_count_back(monkeypatch):
+    """merge_rank sets torch's thread count before the loop (and so before any vLLM engine) is built, and restores
+    the process's count when the merge ends, failed or not."""
+    import tasks.merging.merge as merge
+    from tasks.config import MergeConfig
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class FakeLoop:
+        def __init__(self, *a, **k):
+            seen.append(torch.get_num_threads())
+            raise Stop
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(merge, "MergeLoop", FakeLoop)
+    want = 3 if before != 3 else 2
+    with pytest.raises(Stop):
+        merge.merge_rank(MergeConfig(opd=OPDConfig(threads=want)), "unused", None, "run")
+    assert seen == [want]
+    assert torch.get_num_threads() == before

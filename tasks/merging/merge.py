@@ -73,7 +73,8 @@ from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tasks.modeling.routing import Routing, TeacherRecord, registry_fingerprint
 from tasks.modeling.teacher import make_teachers, teacher_kind
 from tasks.modeling.teacher_pool import TeacherPool, host_parking
-from tasks.modeling.device import place_frozen, place_trained, resolve_backend, resolve_device
+from tasks.modeling.device import (cpu_threads, place_frozen, place_trained, resolve_backend, resolve_device,
+                                   torch_threads)
 from tasks.training.sft import make_optimizer, save_trained, with_lora
 from tasks.tracking.runs import (
     STUDENT_MODEL,
@@ -730,11 +731,15 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
     """The body of :func:`run_merge` on one rank; rank 0 saves, registers and returns the references."""
     opd = cfg.opd
     checkpoints = MergeCheckpoints(checkpoint_dir) if checkpoint_dir else None
-    loop = MergeLoop(cfg, prompt_set, router, run_id, checkpoints)  # setup: models, teachers, engines, state
-    try:
-        base_scores = loop.train()
-    finally:
-        loop.cleanup()
+    # opd.threads torch threads for the whole merge, set before any in-process vLLM engine starts.
+    with torch_threads(cpu_threads(opd.threads, opd.nproc // opd.nnodes)) as threads:
+        if rank() == 0:
+            say(f"merge: {threads} torch thread(s) per process (opd.threads {opd.threads})")
+        loop = MergeLoop(cfg, prompt_set, router, run_id, checkpoints)  # setup: models, teachers, engines, state
+        try:
+            base_scores = loop.train()
+        finally:
+            loop.cleanup()
     routes = loop.routes
     state_dict = full_state_dict(loop.student) if opd.nproc > 1 else None  # collective: every rank takes part
     if not loop.lead:

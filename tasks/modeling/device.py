@@ -104,3 +104,23 @@ def resolve_backend(backend: str, device_type: str) -> str:
         raise ValueError(f"dist_backend 'nccl' needs the student on CUDA GPUs (one per rank), not on {device_type}: "
                          "nccl moves only CUDA tensors; use 'gloo' or 'auto'")
     return backend
+
+
+def cpu_threads(requested: int, procs_per_machine: int = 1) -> int:
+    """torch intra-op threads for one of ``procs_per_machine`` processes: ``requested`` when set, else the cores
+    this process may use (its CPU affinity, which a container or ``taskset`` narrows) shared out evenly, at least 1."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, procs_per_machine))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to ``n`` for the block and restored after it (the count is per process)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
