@@ -196,6 +196,11 @@ class OPDConfig(LoRAFields, DeviceFields):
         0.0, ge=0, le=100.0, description="Weight of the verifier's outcome reward as a sequence advantage (GKD+RL)."
     )
     updates_per_batch: int = Field(1, ge=1, le=64, description="Optimizer steps per rollout batch (rollout reuse).")
+    compile_generation: bool = Field(
+        False, description="Student rollouts (transformers, not vLLM) with a static KV cache and a torch.compile'd "
+        "decode step: the first batch of each new shape compiles (10-20 s on a CPU), later ones reuse it "
+        "(tasks/modeling/rollout.py; flows.bench.trl's ours+compile row measures it)."
+    )
     overlap_generation: bool = Field(
         False, description="Generate the next batch in a background thread (from a synced copy) during the update."
     )

@@ -61,12 +61,13 @@ def test_bench_step_quick_prints_a_breakdown():
 def test_bench_trl_quick_prints_both_trainers():
     out = run_quick("flows.bench.trl")
     rows = printed_table(out)
-    assert [(r["shape"], r["trainer"]) for r in rows] == [("64x2x2", "ours"), ("64x2x2", "ours+overlap"),
-                                                          ("64x2x2", "trl")]
-    assert rows[1]["gen s/step"] == "-"  # overlapped: generation has no time of its own
-    assert_positive([rows[0], rows[2]], {"shape", "trainer"})
-    assert_positive([rows[1]], {"shape", "trainer", "gen s/step"})
+    assert [(r["shape"], r["trainer"]) for r in rows] == [("64x2x2", "ours"), ("64x2x2", "ours+compile"),
+                                                          ("64x2x2", "ours+overlap"), ("64x2x2", "trl")]
+    assert rows[2]["gen s/step"] == "-"  # overlapped: generation has no time of its own
+    assert_positive([rows[0], rows[1], rows[3]], {"shape", "trainer"})
+    assert_positive([rows[2]], {"shape", "trainer", "gen s/step"})
     assert re.search(r"ours/TRL tokens per second: 64x2x2 [0-9.]+x", out) and "MLflow run" in out
+    assert re.search(r"ours\+compile/TRL tokens per second: 64x2x2 [0-9.]+x", out)
     assert re.search(r"ours\+overlap/TRL tokens per second: 64x2x2 [0-9.]+x", out)
 
 

@@ -148,3 +148,50 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok, loss):
     assert set(stats.kl_sum) == {"shift-low", "rev-high", "sort-low"}
     assert stats.tokens == int(sum(stats.kl_tokens.values()))
     assert all(torch.equal(a, b) for a, b in zip(teacher_params, teacher.parameters()))  # teacher untouched
+
+
+def test_compiled_generation_decodes_as_eager_and_follows_weight_updates(tok):
+    """opd.compile_generation: a marked model generates through torch.compile (dynamo compiles graphs) with a static
+    cache, greedy tokens equal the eager ones, an in-place weight update changes them the same way without a
+    recompile being needed for correctness, and a deepcopy (the overlap's rollout copy) keeps the mark."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from tasks.modeling.rollout import compile_generation, compiled_generation_kwargs
+
+    model = tiny(tok, 3).eval()
+    assert compiled_generation_kwargs(model) == {}
+    eager = generate(model, tok, PROMPTS, 12, greedy=True).sequences_B_T
+    compile_generation(model)
+    assert compiled_generation_kwargs(model)["cache_implementation"] == "static"
+    counters.clear()
+    compiled = generate(model, tok, PROMPTS, 12, greedy=True).sequences_B_T
+    assert counters["stats"]["unique_graphs"] > 0  # it really went through torch.compile
+    assert torch.equal(compiled, eager)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p, generator=torch.Generator().manual_seed(1)))
+    after = generate(model, tok, PROMPTS, 12, greedy=True).sequences_B_T
+    assert not torch.equal(after, eager)
+    assert torch.equal(after, generate(compile_generation(copy.deepcopy(model), False), tok, PROMPTS, 12,
+                                       greedy=True).sequences_B_T)
+    assert compiled_generation_kwargs(copy.deepcopy(model)) != {}
+
+
+def test_a_copy_of_a_compiled_model_generates_with_its_own_weights(tok):
+    """The overlap's rollout model is a deepcopy of the student taken after the student has generated (its compiled
+    call cached on it): the copy must sample from its own weights, never through the student's compiled call (which
+    would read the live student mid-update)."""
+    import copy
+
+    from tasks.modeling.rollout import compile_generation
+
+    student = compile_generation(tiny(tok, 4).eval())
+    generate(student, tok, PROMPTS, 12, greedy=True)  # the student's compiled call now exists
+    rollout_copy = copy.deepcopy(student)
+    own = generate(compile_generation(copy.deepcopy(rollout_copy), False), tok, PROMPTS, 12, greedy=True)
+    with torch.no_grad():  # the student moves on (an update); the copy does not
+        for p in student.parameters():
+            p.add_(0.5 * torch.randn_like(p, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(generate(rollout_copy, tok, PROMPTS, 12, greedy=True).sequences_B_T, own.sequences_B_T)

@@ -51,6 +51,7 @@ from tasks.bench.helpers import (
 from tasks.common.log import say
 from tasks.modeling.device import DeviceName, place_frozen, place_trained, resolve_device
 from tasks.modeling.models import load_model, num_parameters
+from tasks.modeling.rollout import compile_generation
 from tasks.world.tokenizer import build_char_tokenizer
 from tasks.training.sft import make_optimizer
 
@@ -101,6 +102,9 @@ TRL_DIFFERENCES = [
     "generate runs under it is TRL's choice); both teachers are the same bf16 weights",
     "on a GPU every step of either trainer is timed from one torch.cuda.synchronize() to the next, so the kernels a "
     "step queued count in its own time, never in the other trainer's",
+    "ours+compile is the same step as ours with opd.compile_generation (static KV cache, torch.compile'd decode "
+    "step; its compiles fall in the warm-up steps, a recompile for a new shape would count), alternating with the "
+    "other two",
     "ours+overlap is the merge loop's opd.overlap_generation: the next batch is generated in a background thread "
     "(from a copy of the student synced every step, so one update stale) while this step scores and updates; it runs "
     "after the alternating pair, on its own, timed as wall time over its steps. It can use a second core only when "
@@ -138,11 +142,14 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
 
     student = student_model()
     our_step = opd_steps(cfg, student, teacher_model(), tok)
+    # The same step with compiled generation (opd.compile_generation: static KV cache, torch.compile'd decode step).
+    compiled_step = opd_steps(cfg, compile_generation(student_model()), teacher_model(), tok)
     ours: list[tuple[float, int, float]] = []
+    compiled: list[tuple[float, int, float]] = []
     trl: list[float] = []
 
     class Alternate(TrainerCallback):
-        """Times each TRL step, then runs one of ours."""
+        """Times each TRL step, then runs one of ours and one of ours with compiled generation."""
 
         def on_step_begin(self, args, state, control, **kwargs):
             sync()
@@ -152,10 +159,12 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
             sync()
             trl.append(time.perf_counter() - self.t0)
             t0 = time.perf_counter()
-            stats = our_step(state.global_step - 1)
-            sync()
-            stats.seconds["step"] = time.perf_counter() - t0  # with its queued kernels (on a GPU)
-            ours.append((stats.seconds["step"], stats.tokens, stats.seconds["generate"]))
+            for step, out in ((our_step, ours), (compiled_step, compiled)):
+                t0 = time.perf_counter()
+                stats = step(state.global_step - 1)
+                sync()
+                stats.seconds["step"] = time.perf_counter() - t0  # with its queued kernels (on a GPU)
+                out.append((stats.seconds["step"], stats.tokens, stats.seconds["generate"]))
 
     trl_student = load_model(student_path).to(device)  # fp32 weights: TRL's bf16=True is its autocast
     n_steps = cfg.warmup + cfg.steps
@@ -182,8 +191,8 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
     # Its background thread would run during TRL's steps if it alternated with them: it runs alone, afterwards.
     seconds, tokens = overlapped_opd_seconds(cfg, student_model(), teacher_model(), tok)
     overlap = [(seconds / cfg.steps, tokens / cfg.steps, None)] * cfg.steps  # generation hidden: no own time
-    return {"params": num_parameters(student), "ours": ours[cfg.warmup:], "trl": trl_steps[cfg.warmup:],
-            "ours+overlap": overlap}
+    return {"params": num_parameters(student), "ours": ours[cfg.warmup:], "ours+compile": compiled[cfg.warmup:],
+            "trl": trl_steps[cfg.warmup:], "ours+overlap": overlap}
 
 
 def where(cfg: BenchTRLConfig) -> str:
@@ -192,6 +201,7 @@ def where(cfg: BenchTRLConfig) -> str:
     return f"{torch.cuda.get_device_name(device)} ({device})" if device.type == "cuda" else "the CPU"
 
 
+NAMES = ("ours", "ours+compile", "ours+overlap", "trl")
 HEADERS = ["shape", "params", "trainer", "tokens/step", "s/step", "gen s/step", "tokens/s", "x TRL"]
 
 
@@ -208,7 +218,7 @@ def bench_trl(cfg: BenchTRLConfig) -> dict:
         with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
             res = run_shape(cfg, label, Path(tmp))
         rates = {}
-        for name in ("ours", "ours+overlap", "trl"):
+        for name in NAMES:
             steps = res[name]
             seconds, tokens = (sum(x[k] for x in steps) for k in range(2))
             gen = None if steps[0][2] is None else sum(x[2] for x in steps)
@@ -218,20 +228,23 @@ def bench_trl(cfg: BenchTRLConfig) -> dict:
             key = name.replace("+", "_")  # MLflow metric names take no '+'
             metrics[f"tokens_per_s/{key}/{label}"] = rates[name]
             metrics[f"step_s/{key}/{label}"] = seconds / len(steps)
-        for row in rows[-3:]:
+        for row in rows[-len(NAMES):]:
             row[-1] = rates[row[2]] / rates["trl"]
         metrics[f"ours_over_trl/{label}"] = rates["ours"] / rates["trl"]
+        metrics[f"ours_compile_over_trl/{label}"] = rates["ours+compile"] / rates["trl"]
         metrics[f"ours_overlap_over_trl/{label}"] = rates["ours+overlap"] / rates["trl"]
     ratios = [r[-1] for r in rows if r[2] == "ours"]
+    compile_ratios = [r[-1] for r in rows if r[2] == "ours+compile"]
     overlap_ratios = [r[-1] for r in rows if r[2] == "ours+overlap"]
     verdict = "; ".join(
         f"{name}/TRL tokens per second: {', '.join(f'{s} {x:.2f}x' for s, x in zip(cfg.shapes, rs))}"
         f" (target >= 1.5x: {'met' if min(rs) >= 1.5 else 'NOT met'})"
-        for name, rs in (("ours", ratios), ("ours+overlap", overlap_ratios)))
+        for name, rs in (("ours", ratios), ("ours+compile", compile_ratios), ("ours+overlap", overlap_ratios)))
     run_id = publish(cfg, f"bench-trl-b{cfg.batch_size}-t{cfg.max_new_tokens}", HEADERS, rows,
                      [verdict, "differences:", *(f"- {d}" for d in TRL_DIFFERENCES)], metrics, "bench_trl",
                      {"trl": trl.__version__, "result": verdict, "device": where(cfg)})
-    return {"headers": HEADERS, "rows": rows, "ratios": ratios, "overlap_ratios": overlap_ratios, "run_id": run_id}
+    return {"headers": HEADERS, "rows": rows, "ratios": ratios, "compile_ratios": compile_ratios,
+            "overlap_ratios": overlap_ratios, "run_id": run_id}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -63,7 +63,7 @@ from tasks.objectives.losses import DIAGNOSTICS, Objective
 from tasks.merging.merge_state import MergeState
 from tasks.merging.route_mix import hold_out, route_need, route_shares, smooth_need
 from tasks.modeling.models import checkpoint_fingerprint, load_model
-from tasks.modeling.rollout import eos_ids
+from tasks.modeling.rollout import compile_generation, eos_ids
 from tasks.common.paths import models_dir
 from tasks.specs.prompt_set import load_prompt_set
 from tasks.training.launch import job_dir, launch
@@ -224,6 +224,7 @@ class MergeLoop:
         # A LoRA student (opd.lora_rank > 0) trains a fresh peft adapter on the frozen initialisation.
         # On opd.device with fp32 master weights, computing under opd.dtype (tasks/modeling/device.py).
         self.student = place_trained(with_lora(load_model(cfg.student_uri), opd), opd.device, opd.dtype).eval()
+        compile_generation(self.student, opd.compile_generation)  # the overlap's copy of the student inherits it
         # What ends a response in this merge (rollouts, teacher samples, truncation flags): the tokenizer's EOS and
         # every stop id of the student's generation config. The vocabulary is len(self.tok), whatever the heads' width.
         self.eos = eos_ids(self.tok, self.student)

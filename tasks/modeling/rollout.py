@@ -7,6 +7,11 @@ Real checkpoints differ from a tokenizer in two ways handled here. Their head ma
 emits an id past it (:class:`RealVocabulary`) and log-probs are taken over it alone. And they may stop on several
 tokens (``generation_config.eos_token_id`` a list, e.g. ``<|im_end|>`` and ``<|endoftext|>``): :func:`eos_ids` is
 that set, and a response ends at the first of any of them.
+
+A model marked with :func:`compile_generation` generates with a static KV cache (preallocated once per call, no
+per-token concatenation) and its decode step compiled by ``torch.compile`` (transformers' own path: a
+``CompileConfig``; on the CPU as well as on GPUs). The first call of each shape compiles (seconds); later calls reuse
+it, and the compiled step reads the model's current weights, so an optimizer step between calls needs no recompile.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    CompileConfig,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -107,6 +113,33 @@ class PrivateSampler(LogitsProcessor):
         return scores_B_V / self.temperature - e_B_V.clamp_(min=torch.finfo(e_B_V.dtype).tiny).log()
 
 
+_COMPILED_ATTR = "_opd_compiled_generation"  # an instance attribute, so that a deepcopy (the overlap's copy) keeps it
+
+
+def compile_generation(model: PreTrainedModel, enabled: bool = True) -> PreTrainedModel:
+    """Mark ``model`` so that :func:`generate` runs it with a static KV cache and a ``torch.compile``'d decode step
+    (``enabled`` False clears the mark). Returns the model."""
+    setattr(model, _COMPILED_ATTR, enabled)
+    return model
+
+
+def compiled_generation_kwargs(model: PreTrainedModel) -> dict:
+    """``model.generate`` arguments for a model marked by :func:`compile_generation` (none otherwise)."""
+    if not getattr(model, _COMPILED_ATTR, False):
+        return {}
+    # transformers caches the compiled call on the model (``_compiled_call``, bound to that model): a deepcopy (the
+    # overlap's rollout copy) inherits the original's, which would sample from the original's live weights. A
+    # model whose cached call was made for another object compiles its own.
+    if getattr(model, "_opd_compiled_owner", None) != id(model):
+        model.__dict__.pop("_compiled_call", None)
+        model._opd_compiled_owner = id(model)
+    config = CompileConfig(fullgraph=False, dynamic=None)
+    # transformers compiles generate's decode step on CUDA by itself; elsewhere only when this flag is set (its
+    # CompileConfig documents it as the switch for CPU compilation).
+    config._compile_all_devices = model_device(model).type != "cuda"
+    return dict(cache_implementation="static", compile_config=config)
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -144,6 +177,7 @@ def generate(
             eos_token_id=list(eos) or None,
             logits_processor=processors,
             **kwargs,
+            **compiled_generation_kwargs(model),
         ).cpu()
     model.train(was_training)
     P = enc.input_ids.shape[1]
