@@ -136,3 +136,15 @@ def test_prepare_base_from_a_fresh_clone_writes_only_under_opd_home(fresh):
     assert len(results) >= 2, written(opd)  # the world's and the base's results (cache records included)
     assert (opd / "prefect" / "prefect.db").is_file() and (opd / "mlflow.db").is_file()
     assert [p.name for p in (opd / "world").iterdir()] and list((opd / "models").glob("base-*/model.safetensors"))
+
+
+def test_openmp_threads_sleep_when_idle_unless_the_user_says_otherwise(fresh):
+    """Importing the project sets OMP_WAIT_POLICY=PASSIVE before torch starts OpenMP (a multi-threaded merge beside
+    another busy process was 15-25x slower with spinning threads), and leaves a user's own choice alone."""
+    home, opd, cwd = fresh
+    code = "import flows, os; print(os.environ['OMP_WAIT_POLICY'])"
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = clean_env(home, opd, **({"OMP_WAIT_POLICY": given} if given else {}))
+        out = run_py(["-c", code], env, cwd, 120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.strip() == want
