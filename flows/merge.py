@@ -33,8 +33,8 @@ from teachers.router import Router
 
 @task(name="route-teachers", cache_policy=NO_CACHE)
 def route_teachers(cfg: MergeConfig, prompt_set: str) -> Router:
-    """Map every route of the prompt set to a registered teacher (``cfg.teachers``, else the spec's per-route
-    ``teacher``) and print the coverage report (or fail naming the routes that have teachers)."""
+    """Map every route of the prompt set to its registered teacher(s) (``cfg.teachers``, else the spec's per-route
+    ``teacher`` or ``teachers``) and print the coverage report (or fail naming the routes that have teachers)."""
     ps = load_prompt_set(prompt_set)
     router = Router.for_merge(TeacherRegistry(), ps.routes, cfg.teachers, ps.spec)
     counts = {r: len(d) for r, d in ps.rows("train").items()}

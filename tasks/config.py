@@ -518,7 +518,9 @@ class MergeConfig(_Config):
     world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     student_uri: str = Field("", description="Student initialisation (local path or hub id); empty = the pipeline's base.")
     teachers: list[str] = Field(
-        default_factory=list, description="Teacher names from the registry; empty = newest teacher per route."
+        default_factory=list, description="Teacher names from the registry; empty = the route spec's teacher(s) of "
+        "each route, else its newest teacher. Two teachers of one route only where the spec lists both under that "
+        "route's teachers (with combine)."
     )
     opd: OPDConfig = Field(default_factory=OPDConfig, description="The merge: objectives, stages, rollouts, "
                            "evaluation and checkpoints.")

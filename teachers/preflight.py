@@ -98,8 +98,13 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     report = Report(student_uri=student_uri, routes=list(routes),
                     warnings=warnings + (unapplied_generate_settings(ps.spec) if ps is not None else []))
     if router is not None:
-        for route, rec in sorted(router.mapping.items()):
-            report.teachers[route] = rec.name
+        for route in sorted(router.mapping):
+            report.teachers[route] = "+".join(rec.name for rec in router.teachers_for(route))
+        combined = sorted(r for r in router.mapping if len(router.teachers_for(r)) > 1)
+        if combined and cfg.opd.teacher_backend != "hf":
+            problems.append(Problem(CONFIG, "opd.teacher_backend", f"{cfg.opd.teacher_backend!r}, but route(s) "
+                                    f"{combined} combine several teachers, which needs 'hf' (their checkpoints' full "
+                                    "distributions); expected opd.teacher_backend hf, or one teacher per route"))
         student_fp = cache(lambda: checkpoint_fingerprint_of(student.uri))  # read once, only if a provenance names it
         for rec in router.teachers():
             eval_prompts = held_out[rec.route][0] if rec.route in held_out else None

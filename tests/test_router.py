@@ -59,7 +59,9 @@ def test_named_teachers_used_exactly_unused_one_warned(registry):
     with pytest.raises(RoutingError) as info:
         Router.from_registry(registry, ["add-high"], ["add-high-v2", "add-high-v1"])
     assert str(info.value) == ("teachers 'add-high-v2' and 'add-high-v1' both serve route 'add-high'; "
-                               "expected at most one named teacher per route")
+                               "expected at most one named teacher per route. To combine several teachers on one "
+                               "route, list them in the route spec: routes[add-high].teachers: [add-high-v2, "
+                               "add-high-v1] with combine: select, mixture or average_logits")
     # A name given twice is one teacher, not two on one route.
     twice = Router.from_registry(registry, ["add-high"], ["add-high-v1", "add-high-v1"])
     assert twice.teacher_for("add-high").name == "add-high-v1" and twice.warnings == []

@@ -41,6 +41,7 @@ from tasks.training.distill import (
     OffPolicyData,
     PromptSampler,
     StepStats,
+    combine_scores,
     extrapolate_scores,
     score_with_teachers,
     update_step,
@@ -253,7 +254,15 @@ class MergeLoop:
                                 opd.max_resident_teachers,
                                 **host_parking(resolve_device(opd.teacher_device), opd.teacher_offload))
         self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
-        self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}
+        self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}  # the primary: off-policy samples
+        # Every teacher of each route (the primary first); a route with several combines them (the spec's combine).
+        self.teachers_of = {r: [rec.name for rec in router.teachers_for(r)] for r in self.routes}
+        self.combinations = {r: (names, *router.combine_for(r)) for r, names in self.teachers_of.items()
+                             if len(names) > 1}
+        if self.combinations and opd.teacher_backend != "hf":
+            raise ValueError(f"route(s) {sorted(self.combinations)} combine several teachers, which needs "
+                             f"opd.teacher_backend 'hf' (their checkpoints' full distributions); got "
+                             f"{opd.teacher_backend!r}: set opd.teacher_backend hf, or give each route one teacher")
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         # opd.route_normalization: each route's group (itself, or its value of a spec label; unlabelled: itself).
         key = opd.route_normalization.removeprefix("label:")
@@ -381,13 +390,13 @@ class MergeLoop:
             return self.state.base_scores
         n_eval = sum(len(v[0]) for v in self.eval_sets.values())
         self.say(f"evaluating {len(self.teachers)} teachers and the initial student on {n_eval} held-out prompts")
-        self.state.teacher_acc = {
-            r: evaluate_route(self.teachers[self.teacher_of[r]].model, self.tok, self.verifiers[r], *self.eval_sets[r],
-                              self.caps[r]).accuracy
-            for r in self.routes
-        }
+        each = {r: self.teacher_accuracies(r, self.eval_sets[r]) for r in self.routes}
+        # A route with several teachers is measured against the best of them.
+        self.state.teacher_acc = {r: max(acc.values()) for r, acc in each.items()}
         base = self.state.scores = self.state.base_scores = self.evaluate(self.student)
         self.log({**{f"teacher_accuracy/{r}": a for r, a in self.state.teacher_acc.items()},
+                  **{f"teacher_accuracy/{r}/{name}": a for r, acc in each.items() if len(acc) > 1
+                     for name, a in acc.items()},
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
                   **route_metrics(base, self.state.teacher_acc, self.labels)}, 0)
         self.state.recovery = {"base": self.recovery(self.student),
@@ -395,12 +404,16 @@ class MergeLoop:
                                    self.teachers[self.teacher_of[r]].model, [r]).get(r)) is not None}}
         self.log({f"recovery/{who}/{r}": v for who, per in self.state.recovery.items() for r, v in per.items()}, 0)
         if self.mix_slice is not None:
-            self.state.slice_teacher_acc = {
-                r: evaluate_route(self.teachers[self.teacher_of[r]].model, self.tok, self.verifiers[r],
-                                  *self.mix_slice[r], self.caps[r]).accuracy for r in self.routes}
+            self.state.slice_teacher_acc = {r: max(self.teacher_accuracies(r, self.mix_slice[r]).values())
+                                            for r in self.routes}
             self.log({f"route_sampling/teacher_accuracy/{r}": a for r, a in self.state.slice_teacher_acc.items()}, 0)
             self.log(self.reweigh(), 0)
         return base
+
+    def teacher_accuracies(self, route: str, prompts_answers: tuple[list[str], list[str]]) -> dict[str, float]:
+        """Greedy accuracy of each teacher of ``route`` on ``prompts_answers`` (held-out prompts and answers)."""
+        return {name: evaluate_route(self.teachers[name].model, self.tok, self.verifiers[route], *prompts_answers,
+                                     self.caps[route]).accuracy for name in self.teachers_of[route]}
 
     def recovery(self, model, routes: list[str] | None = None) -> dict[str, float]:
         """The recovery diagnostic (:func:`tasks.evaluation.evaluate.recovery_rate`) of ``model`` on the first
@@ -454,7 +467,7 @@ class MergeLoop:
             self._resume_trainer(optimizer, scheduler, producer)
         bar = tqdm(range(start, steps), desc=f"merge {name}", mininterval=2.0, disable=not self.lead, initial=start,
                    total=steps)
-        batch, hidden, uses, rows = None, {}, opd.updates_per_batch, None
+        batch, hidden, uses, rows, combined = None, {}, opd.updates_per_batch, None, {}
         try:
             for i in bar:
                 t0 = time.perf_counter()
@@ -467,6 +480,9 @@ class MergeLoop:
                         groups = shard_groups(groups, rows)
                     hidden = score_with_teachers(self.teachers, self.pool.resident_first(groups), batch.rollout,
                                                  served_k, self.state.teacher_costs)
+                    if self.combinations:  # routes with several teachers: one combined score per row
+                        hidden, combined = combine_scores(hidden, self.combinations, batch.routes, batch.rollout,
+                                                          opd.chunk_size, len(self.tok))
                     if self.reference is not None:
                         hidden = extrapolate_scores(hidden, self.reference, batch.rollout, opd.reward_scale,
                                                     self.state.teacher_costs, len(self.tok))
@@ -503,6 +519,8 @@ class MergeLoop:
                     # Time the update waited for its batch (with overlap: only what the background did not hide).
                     m.update({"time/generate": t_batch, "time/teacher": t_teacher,
                               "rollout/generated": float(batch.generated)})
+                    if batch.on_policy:  # combined routes: each teacher's NLL on the student's samples, select's shares
+                        m.update(combined)
                     # What generation cost, cumulative over the merge: the student's own rollouts, and the
                     # teachers' samples (off-policy batches; each prompt's completion is sampled once and cached).
                     key = "student_tokens" if batch.on_policy else "teacher_sampled_tokens"
@@ -748,7 +766,7 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
 
     scores = loop.state.scores
     rows = [
-        {"route": r, "teacher": loop.teacher_of[r], "base_accuracy": base_scores[r].accuracy,
+        {"route": r, "teacher": "+".join(loop.teachers_of[r]), "base_accuracy": base_scores[r].accuracy,
          "teacher_accuracy": loop.state.teacher_acc[r], "student_accuracy": scores[r].accuracy,
          "retention": retention(scores[r].accuracy, loop.state.teacher_acc[r]),
          "gain_recovered": gain_recovered(scores[r].accuracy, loop.state.teacher_acc[r], base_scores[r].accuracy)}
@@ -762,7 +780,8 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
     mean = mean_retention(rows)
     # A merge killed after registering and resumed registers its student once.
     version = registered_version(STUDENT_MODEL, run_id) or register_version(STUDENT_MODEL, run_id, "student", {
-        "teachers": ",".join(sorted(set(loop.teacher_of.values()))), "loss": opd.loss, "label": cfg.label,
+        "teachers": ",".join(sorted({n for names in loop.teachers_of.values() for n in names})), "loss": opd.loss,
+        "label": cfg.label,
         "mean_retention": f"{mean:.4f}"}, "Merged students of OPD runs; @champion has the best mean retention.")
     champion = promote_if_best(STUDENT_MODEL, version)
     say(f"registered {STUDENT_MODEL} version {version}" + (" as @champion" if champion else ""))
@@ -828,6 +847,9 @@ def start_merge_run(cfg: MergeConfig, router: Routing, run_name: str, prompt_set
         "registry_fingerprint": registry_fingerprint(records),
         "student_uri": cfg.student_uri,
         **{f"teacher.{r.name}": f"{r.route} {r.tokenizer_fingerprint} {r.model_uri}" for r in records},
+        # A route with several teachers: how they combine (the spec's combine and teacher_weights).
+        **{f"combine.{route}": "{} {}".format(*router.combine_for(route))
+           for route in load_prompt_set(prompt_set).routes if len(router.teachers_for(route)) > 1},
     }
     run_id = start_run(cfg.experiment, run_name, config_params(cfg), tags)
     log_spec(run_id, prompt_set)

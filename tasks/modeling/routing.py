@@ -22,11 +22,21 @@ class TeacherRecord(Protocol):
 
 
 class Routing(Protocol):
-    """What the merge asks of its router (:class:`teachers.router.Router` is one): route -> teacher."""
+    """What the merge asks of its router (:class:`teachers.router.Router` is one): route -> its teachers (the first
+    the primary) and how they combine."""
 
-    def teacher_for(self, route: str) -> TeacherRecord: ...
+    def teacher_for(self, route: str) -> TeacherRecord:
+        """The route's primary teacher (what needs one: off-policy samples, evaluation flows)."""
 
-    def teachers(self) -> list[TeacherRecord]: ...
+    def teachers_for(self, route: str) -> list[TeacherRecord]:
+        """Every teacher of the route, the primary first."""
+
+    def combine_for(self, route: str) -> tuple[str, list[float]]:
+        """How the route's teachers combine (a :data:`tasks.specs.spec.CombineMode`) and their weights (empty:
+        uniform); ``("select", [])`` for a route with one teacher."""
+
+    def teachers(self) -> list[TeacherRecord]:
+        """Every teacher of every route, by name."""
 
     def group(self, routes_per_row: Iterable[str]) -> dict[str, list[int]]: ...
 

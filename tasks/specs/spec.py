@@ -18,6 +18,7 @@ A minimal file::
         generate: {max_new_tokens: 512, temperature: 1.0, stop: ["</s>"]}
         verify: {kind: numeric, answer_after: "####"}
         teacher: newest          # or a registry name
+        # or several: teachers: [NAME, NAME], combine: select | mixture | average_logits, teacher_weights: [..]
 
 The same spec may be given inline instead of as a file (the Prefect form's JSON, ``--spec '{"routes": [...]}'``):
 :func:`parse_inline` validates it with the same model, its problems named ``inline spec: routes[<name>].<field>``,
@@ -43,6 +44,8 @@ from tasks.specs import verifiers
 
 DataFormat = Literal["auto", "jsonl", "json", "parquet", "csv", "disk", "hub", "reasoning_gym"]
 VerifyKind = Literal["exact", "numeric", "regex", "math", "function"]
+# How several teachers of one route make one target (tasks/objectives/combine.py; the merge applies it).
+CombineMode = Literal["select", "mixture", "average_logits"]
 # Values of a split column that mean "held out" and "train" (case-insensitive).
 HELD_OUT_VALUES = frozenset({"eval", "test", "validation", "heldout", "held_out", "held-out"})
 TRAIN_VALUES = frozenset({"train", "training"})
@@ -221,6 +224,48 @@ class RouteSpec(_Spec):
     verify: VerifySpec = Field(default_factory=VerifySpec)
     teacher: str = Field("newest", min_length=1, description="A registry name, or 'newest': the newest teacher "
                          "registered for this route.")
+    teachers: list[str] = Field(default_factory=list, description="Several registry names, all registered for this "
+                                "route, that score it together (instead of teacher; the first is the primary, which "
+                                "samples off-policy completions); how is said by combine.")
+    combine: CombineMode = Field("select", description="How the teachers of teachers combine: select (each sequence "
+                                 "scored whole by the teacher with the lowest mean NLL on its response tokens), "
+                                 "mixture (per token, log of the weighted mean of their probabilities) or "
+                                 "average_logits (per token, the weighted mean of their log-probabilities).")
+    teacher_weights: list[float] = Field(default_factory=list, description="mixture and average_logits: one positive "
+                                         "weight per name of teachers, normalised to sum 1; empty = uniform.")
+
+    @field_validator("teachers")
+    @classmethod
+    def _teachers(cls, v: list[str]) -> list[str]:
+        if any(not name for name in v):
+            raise ValueError("teacher names must be non-empty")
+        dupes = sorted({n for i, n in enumerate(v) if n in v[:i]})
+        if dupes:
+            raise ValueError(f"teachers {dupes} appear more than once; expected distinct registry names")
+        if len(v) == 1:
+            raise ValueError(f"one teacher {v[0]!r}: write teacher: {v[0]} (teachers lists two or more)")
+        return v
+
+    @model_validator(mode="after")
+    def _combination(self) -> "RouteSpec":
+        if self.teachers and self.teacher != "newest":
+            raise ValueError(f"give teacher ({self.teacher!r}) or teachers ({self.teachers}), not both")
+        if not self.teachers and (self.combine != "select" or self.teacher_weights):
+            raise ValueError("combine and teacher_weights apply to a route that lists teachers: [NAME, NAME, ...]")
+        if self.teacher_weights and self.combine == "select":
+            raise ValueError("teacher_weights apply to combine mixture or average_logits, not select (each sequence "
+                             "goes to one teacher)")
+        if self.teacher_weights and len(self.teacher_weights) != len(self.teachers):
+            raise ValueError(f"{len(self.teacher_weights)} teacher_weights for {len(self.teachers)} teachers; expected "
+                             "one weight per teacher, in the same order")
+        if any(not (0 < w < float("inf")) for w in self.teacher_weights):
+            raise ValueError(f"teacher_weights {self.teacher_weights}: expected positive finite numbers")
+        return self
+
+    @property
+    def teacher_names(self) -> list[str]:
+        """The registry names this route names (teachers, or teacher unless 'newest'); empty: its newest teacher."""
+        return list(self.teachers) or ([] if self.teacher == "newest" else [self.teacher])
 
 
 class RouteSpecFile(_Spec):

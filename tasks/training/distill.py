@@ -1,6 +1,7 @@
 """One distillation step, in three parts the merge loop composes: make a batch of sequences (the student's own
 rollouts, or off-policy completions: teacher samples cached per teacher, or a dataset column), let each row's routed
-teacher score it in one forward pass, and update the student with each route's objective from the menu in
+teacher score it in one forward pass (a route with several teachers: each of them, then :func:`combine_scores` makes
+one score per row), and update the student with each route's objective from the menu in
 :mod:`tasks.objectives.losses`.
 """
 
@@ -18,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.modeling.device import autocast_for
+from tasks.objectives.combine import PER_TOKEN, CombinedHead, normalized_weights, select_teachers, sequence_nll
 from tasks.modeling.engines import ALL_VOCAB, VLLMRollout, rollout_with_logprobs
 from tasks.objectives.losses import (DIAGNOSTICS, ExtrapolatedHead, Objective, ObjectiveResult, TokenInputs,
                                      chunked_objective, spread_scales)
@@ -367,6 +369,61 @@ def score_with_teachers(
             cost[0] += float(rollout.attention_mask_B_T[torch.tensor(rows)].sum())
             cost[1] += time.perf_counter() - t0
     return out
+
+
+def combine_scores(
+    scores: TeacherScores,
+    combinations: Mapping[str, tuple[list[str], str, list[float]]],
+    routes: list[str],
+    rollout: Rollout,
+    chunk_size: int = 64,
+    vocab_size: int | None = None,
+) -> tuple[TeacherScores, dict[str, float]]:
+    """The scores of routes with several teachers made one per row (:mod:`tasks.objectives.combine`).
+    ``combinations``: route -> (its teachers' names, primary first; combine mode; weights, empty = uniform), each
+    teacher having scored exactly that route's rows of the batch (``routes``: each row's route). ``select``: each row
+    stays with the teacher of lowest mean NLL on its response tokens (its entry keeps only the rows it won);
+    ``mixture`` / ``average_logits``: one entry named ``'+'.join(names)`` whose features are the teachers'
+    concatenated (fp32, on the primary's device) under a :class:`tasks.objectives.combine.CombinedHead`. Other
+    entries pass through untouched.
+
+    Returns the scores and, per combined route, ``teacher_nll/<route>/<teacher>`` (each teacher's mean NLL on the
+    rows' response tokens, temperature 1) and with ``select`` ``teacher_share/<route>/<teacher>`` (the share of rows
+    it won)."""
+    out, metrics = dict(scores), {}
+    mask_B_T, targets_B_T = rollout.loss_mask_B_T(), rollout.sequences_B_T[:, 1:]
+    for route, (names, mode, weights) in combinations.items():
+        if not any(name in out for name in names):
+            continue  # the route has no rows in this batch (or this rank's shard)
+        parts = [out.pop(name) for name in names]
+        rows = parts[0].rows
+        if any(p.rows != rows for p in parts) or any(routes[row] != route for row in rows):
+            raise ValueError(f"the teachers {names} of route {route!r} must each score exactly its rows "
+                             f"(rows {[p.rows for p in parts]})")
+        idx = torch.tensor(rows)
+        tokens_b = mask_B_T[idx].sum(-1)
+        nll_K_b = torch.stack([sequence_nll(p.head, p.features_b_T_F[:, :-1], targets_B_T[idx], mask_B_T[idx],
+                                            chunk_size, vocab_size) for p in parts])
+        n_tokens = max(float(tokens_b.sum()), 1.0)
+        metrics.update({f"teacher_nll/{route}/{name}": float(nll_K_b[k].sum()) / n_tokens
+                        for k, name in enumerate(names)})
+        if mode == "select":
+            winner_b = select_teachers(nll_K_b, tokens_b)
+            for k, (name, part) in enumerate(zip(names, parts)):
+                js = (winner_b == k).nonzero().flatten()
+                metrics[f"teacher_share/{route}/{name}"] = len(js) / len(rows)
+                if len(js):
+                    out[name] = TeacherScore([rows[j] for j in js.tolist()],
+                                             part.features_b_T_F[js.to(part.features_b_T_F.device)], part.head)
+        elif mode in PER_TOKEN:
+            device = parts[0].features_b_T_F.device
+            features_b_T_F = torch.cat([p.features_b_T_F.to(device, torch.float32) for p in parts], dim=-1)
+            head = CombinedHead([p.head for p in parts], [p.features_b_T_F.shape[-1] for p in parts],
+                                PER_TOKEN[mode], normalized_weights(weights, len(parts)), vocab_size)
+            out["+".join(names)] = TeacherScore(rows, features_b_T_F, head)
+        else:
+            raise ValueError(f"route {route!r}: unknown combine mode {mode!r}; known: {['select', *PER_TOKEN]}")
+    return out, metrics
 
 
 def extrapolate_scores(
