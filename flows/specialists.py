@@ -34,7 +34,7 @@ from teachers.registry import Provenance, TeacherRegistry
 # What a Ray worker process needs to find the same state, tracking store and Prefect API as this process.
 _RAY_ENV = ("OPD_HOME", "OPD_REGISTRY", "PREFECT_HOME", "PREFECT_API_URL", "PREFECT_RESULTS_LOCAL_STORAGE_PATH",
             "PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
-            "MLFLOW_TRACKING_URI", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TOKENIZERS_PARALLELISM")
+            "MLFLOW_TRACKING_URI", "OMP_NUM_THREADS", "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM")
 
 
 def task_runner(cfg: SpecialistsConfig):

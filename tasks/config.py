@@ -490,8 +490,11 @@ class SpecialistsConfig(_Config):
     spec: SpecInput = spec_field()
     world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     base_uri: str = Field("", description="Base checkpoint (local path or hub id); empty = the pipeline's base.")
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3),
-                               description="Supervised training on the routes' reference completions.")
+    # recovery_noise 0.3: specialists that go on correctly from a wrong step (DART-style), so they can teach on the
+    # student's own mistakes. Default world, one run each: mean retention 0.931 -> 0.953, sort-high 0.684 -> 0.845.
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(steps=500, lr=3e-3, recovery_noise=0.3),
+                               description="Supervised training on the routes' reference completions (with "
+                               "recovery_noise 0.3 by default: teachers that recover from a wrong step).")
     min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once.")
     runner: Literal["threads", "ray"] = Field(
@@ -609,7 +612,8 @@ QUICK_OVERRIDES: dict[str, Any] = {
     },
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},
     "base_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
-    "specialist_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20},
+    # recovery_noise is measured on the default world only (mean retention 0.931 -> 0.953): quick keeps gold rows.
+    "specialist_train": {"steps": 250, "lr": 3e-3, "warmup_steps": 20, "recovery_noise": 0.0},
     "opd": {"steps": 500, "eval_every": 100, "batch_size": 48, "lr": 5e-4, "warmup_steps": 30},
 }
 
@@ -626,7 +630,7 @@ def _real_overrides() -> dict[str, Any]:
         "spec": str(ROUTES),
         "base_model": SMOLLM2_FOLDER,
         "specialist_train": {"steps": 150, "batch_size": 8, "lr": 1e-3, "warmup_steps": 10, "lora_rank": 16,
-                             "lora_alpha": 32.0},
+                             "lora_alpha": 32.0, "recovery_noise": 0.0},  # not measured on real models yet
         "min_accuracy": 0.05,
         "workers": 1,
         # The base rarely ends an answer inside a route's cap (it writes sentences): the compliance gate refuses

@@ -61,3 +61,15 @@ def test_route_normalization_and_route_sampling_are_validated():
         OPDConfig(route_sampling="weighted")
     with pytest.raises(ValueError):
         OPDConfig(route_sampling_floor=1.5)
+
+
+def test_default_world_specialists_learn_to_recover_and_the_quick_and_real_profiles_keep_gold_rows():
+    """recovery_noise 0.3 is the default specialists' recipe (measured on the default world: mean retention 0.931 ->
+    0.953); the quick and real profiles, where it was not measured, keep 0."""
+    from tasks.config import SpecialistsConfig, pipeline_config
+
+    assert SpecialistsConfig().train.recovery_noise == 0.3
+    assert pipeline_config("default").specialist_train.recovery_noise == 0.3
+    assert pipeline_config("default").specialists("base").train.recovery_noise == 0.3
+    assert pipeline_config("quick").specialist_train.recovery_noise == 0.0
+    assert pipeline_config("real").specialist_train.recovery_noise == 0.0
