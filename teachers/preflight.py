@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any
 
 from tasks.common.paths import models_dir, registry_path
+from tasks.modeling.routing import combining_refusal
 from tasks.preflight import (
     CONFIG,
     device_problems,
@@ -100,11 +101,9 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     if router is not None:
         for route in sorted(router.mapping):
             report.teachers[route] = "+".join(rec.name for rec in router.teachers_for(route))
-        combined = sorted(r for r in router.mapping if len(router.teachers_for(r)) > 1)
-        if combined and cfg.opd.teacher_backend != "hf":
-            problems.append(Problem(CONFIG, "opd.teacher_backend", f"{cfg.opd.teacher_backend!r}, but route(s) "
-                                    f"{combined} combine several teachers, which needs 'hf' (their checkpoints' full "
-                                    "distributions); expected opd.teacher_backend hf, or one teacher per route"))
+        refusal = combining_refusal(router, router.mapping, cfg.opd.teacher_backend)
+        if refusal:
+            problems.append(Problem(CONFIG, "opd.teacher_backend", refusal))
         student_fp = cache(lambda: checkpoint_fingerprint_of(student.uri))  # read once, only if a provenance names it
         for rec in router.teachers():
             eval_prompts = held_out[rec.route][0] if rec.route in held_out else None

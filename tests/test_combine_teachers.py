@@ -224,6 +224,19 @@ def test_router_maps_a_route_to_two_teachers_from_the_spec(registry):
     assert one.combine_for("add-high") == ("select", [])
 
 
+def test_a_combined_route_needs_the_hf_teacher_backend(registry):
+    """The one check preflight and the merge share (tasks.modeling.routing.combining_refusal)."""
+    from tasks.modeling.routing import combining_refusal
+
+    spec = spec_of(teachers=["add-high-v1", "add-high-v2"], combine="mixture")
+    router = Router.for_merge(registry, ["add-high", "rev-low"], [], spec)
+    assert combining_refusal(router, ["add-high", "rev-low"], "hf") == ""
+    assert combining_refusal(router, ["rev-low"], "vllm") == ""  # no combined route among those asked
+    assert combining_refusal(router, ["add-high", "rev-low"], "vllm") == (
+        "'vllm', but route(s) ['add-high'] combine several teachers, which needs 'hf' (their checkpoints' full "
+        "distributions); expected opd.teacher_backend hf, or one teacher per route")
+
+
 def test_router_refuses_two_teachers_of_a_route_the_spec_does_not_combine_and_says_how(registry):
     with pytest.raises(RoutingError, match=r"list them in the route spec: routes\[add-high\].teachers: "
                                            r"\[add-high-v2, add-high-v1\] with combine"):

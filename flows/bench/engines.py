@@ -36,6 +36,7 @@ from tasks.bench.helpers import median_seconds, publish, world_batch
 from tasks.config import _Config
 from tasks.modeling.engines import ALL_VOCAB, CPU_BIND_VARS, EngineTeacher, VLLMRollout
 from tasks.common.log import say
+from tasks.modeling.device import usable_cpus
 from tasks.modeling.teacher import ServedTeacher, TeacherBatch
 from tasks.modeling.models import create_model, num_parameters, save_model
 from tasks.modeling.rollout import generate, token_logprobs
@@ -158,7 +159,7 @@ def bench_bind(cfg: BenchEnginesConfig) -> list[list]:
             rates[binding] = rollout_rate_in_subprocess(cfg, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": processes})
             say(f"  {rates[binding]:.0f} tokens/s")
         rows.append([kind, round(rates["default"]), round(rates["bound"]), rates["bound"] / rates["default"]])
-    note = (f"cores this process may use: {len(os.sched_getaffinity(0))}; the in-process engine computes on torch's "
+    note = (f"cores this process may use: {len(usable_cpus())}; the in-process engine computes on torch's "
             f"{cfg.threads} thread(s) (--threads) and never reads the binding")
     publish(cfg, f"bench-engines-bind-h{cfg.hidden_size}-l{cfg.num_layers}", BIND_HEADERS, rows, [note],
             {f"bind/{r[0]}/bound_over_default": r[3] for r in rows}, "engines_bind")

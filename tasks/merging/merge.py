@@ -71,7 +71,7 @@ from tasks.training.launch import job_dir, launch
 from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups, shard_student,
                                     sum_stats)
 from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
-from tasks.modeling.routing import Routing, TeacherRecord, registry_fingerprint
+from tasks.modeling.routing import Routing, TeacherRecord, combining_refusal, registry_fingerprint
 from tasks.modeling.teacher import make_teachers, teacher_kind
 from tasks.modeling.teacher_pool import TeacherPool, host_parking
 from tasks.modeling.device import (cpu_threads, place_frozen, place_trained, resolve_backend, resolve_device,
@@ -259,10 +259,9 @@ class MergeLoop:
         self.teachers_of = {r: [rec.name for rec in router.teachers_for(r)] for r in self.routes}
         self.combinations = {r: (names, *router.combine_for(r)) for r, names in self.teachers_of.items()
                              if len(names) > 1}
-        if self.combinations and opd.teacher_backend != "hf":
-            raise ValueError(f"route(s) {sorted(self.combinations)} combine several teachers, which needs "
-                             f"opd.teacher_backend 'hf' (their checkpoints' full distributions); got "
-                             f"{opd.teacher_backend!r}: set opd.teacher_backend hf, or give each route one teacher")
+        refusal = combining_refusal(router, self.routes, opd.teacher_backend)
+        if refusal:
+            raise ValueError(f"opd.teacher_backend {refusal}")
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         # opd.route_normalization: each route's group (itself, or its value of a spec label; unlabelled: itself).
         key = opd.route_normalization.removeprefix("label:")
@@ -849,7 +848,7 @@ def start_merge_run(cfg: MergeConfig, router: Routing, run_name: str, prompt_set
         **{f"teacher.{r.name}": f"{r.route} {r.tokenizer_fingerprint} {r.model_uri}" for r in records},
         # A route with several teachers: how they combine (the spec's combine and teacher_weights).
         **{f"combine.{route}": "{} {}".format(*router.combine_for(route))
-           for route in load_prompt_set(prompt_set).routes if len(router.teachers_for(route)) > 1},
+           for route in sorted({r.route for r in records}) if len(router.teachers_for(route)) > 1},
     }
     run_id = start_run(cfg.experiment, run_name, config_params(cfg), tags)
     log_spec(run_id, prompt_set)

@@ -106,13 +106,18 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
+def usable_cpus() -> set[int]:
+    """The CPU ids this process may use: its CPU affinity, which a container or ``taskset`` narrows (every CPU where
+    the platform has no affinity)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def cpu_threads(requested: int, procs_per_machine: int = 1) -> int:
     """torch intra-op threads for one of ``procs_per_machine`` processes: ``requested`` when set, else the cores
-    this process may use (its CPU affinity, which a container or ``taskset`` narrows) shared out evenly, at least 1."""
+    this process may use (:func:`usable_cpus`) shared out evenly, at least 1."""
     if requested > 0:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, procs_per_machine))
+    return max(1, len(usable_cpus()) // max(1, procs_per_machine))
 
 
 @contextlib.contextmanager

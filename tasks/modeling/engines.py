@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.modeling.device import model_device
+from tasks.modeling.device import model_device, usable_cpus
 from tasks.modeling.rollout import Rollout, Stop, eos_ids, rollout_from_responses, token_logprobs
 from tasks.objectives.losses import Objective
 
@@ -94,8 +94,7 @@ def import_vllm():
     environment when an engine starts and keeps it for the process, so this runs before."""
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-        os.environ.update(cpu_bind_env(os.environ, cpus))
+        os.environ.update(cpu_bind_env(os.environ, usable_cpus()))
     try:
         import vllm
     except ImportError as e:  # pragma: no cover - depends on the environment

@@ -41,6 +41,16 @@ class Routing(Protocol):
     def group(self, routes_per_row: Iterable[str]) -> dict[str, list[int]]: ...
 
 
+def combining_refusal(router: Routing, routes: Iterable[str], teacher_backend: str) -> str:
+    """Why ``teacher_backend`` cannot serve ``routes`` ('' when it can): a route that combines several teachers needs
+    their checkpoints' full distributions, i.e. the ``hf`` backend. The text follows the value it refuses."""
+    combined = sorted(r for r in routes if len(router.teachers_for(r)) > 1)
+    if not combined or teacher_backend == "hf":
+        return ""
+    return (f"{teacher_backend!r}, but route(s) {combined} combine several teachers, which needs 'hf' (their "
+            "checkpoints' full distributions); expected opd.teacher_backend hf, or one teacher per route")
+
+
 def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
     """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags and the merge's key."""
     payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint] for r in records)
