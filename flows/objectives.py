@@ -60,6 +60,7 @@ class ObjectivesConfig(PipelineConfig):
 
 def objectives_config(profile: str = "default", **overrides: Any) -> ObjectivesConfig:
     data = {**pipeline_config(profile).model_dump(), "experiment": "opd-objectives"}
+    data["opd"]["cold_start_steps"] = 0  # every variant starts plain; the two_stage variant adds the stage
     return ObjectivesConfig.model_validate(_deep_merge(data, overrides))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -443,6 +444,27 @@ def test_granted_remote_code_is_the_only_way_past_auto_map(project):
     with pytest.raises(RegistryError, match="config does not load"):
         project.registry.register_checkpoint("evil", "sort-low", project.teachers["sort-low"], project.tok)
     assert not marker.exists()
+
+
+def test_evaluate_refuses_a_base_that_is_not_there_before_prefect_starts(project, monkeypatch):
+    from flows.evaluate import NO_BASE, EvaluateConfig, input_problems, main, resolve_base
+    from tasks.common.paths import models_dir
+
+    cfg = EvaluateConfig(world=WorldConfig(**WORLD), model_uri=str(project.student))
+    gone = str(project.tmp / "no-base")
+    (problem,) = input_problems(cfg.model_copy(update={"base_uri": gone}))
+    assert (problem.file, problem.field) == (gone, "base_uri") and "no checkpoint folder there" in problem.message
+    # Empty: the state's latest base, when there is one (none yet here); 'none': no base. Neither is refused.
+    assert resolve_base("") is None and resolve_base(NO_BASE) is None
+    assert input_problems(cfg) == [] and input_problems(cfg.model_copy(update={"base_uri": NO_BASE})) == []
+    marker = models_dir() / "LATEST_BASE"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(project.student))
+    assert resolve_base("") == str(project.student) and input_problems(cfg) == []
+    marker.write_text(gone)  # a recorded base that was deleted since
+    assert [p.field for p in input_problems(cfg)] == ["base_uri"]
+    with no_model_work(monkeypatch), pytest.raises(SystemExit, match=re.escape(f"base_uri: {gone}: no such folder")):
+        main(["--model_uri", str(project.student), "--base_uri", gone, "--world.routes", ",".join(ROUTES)])
 
 
 # ------------------------------------------------------------------------------------------------ pipeline cases

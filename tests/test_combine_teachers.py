@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import math
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,6 +251,7 @@ def test_router_refuses_two_teachers_of_a_route_the_spec_does_not_combine_and_sa
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 ROUTES = ["rev-low", "sort-low"]
+RECOVERY = {"rev-a": 0.75, "rev-b": 0.25, "sort-a": 0.5}  # the teachers' recovery diagnostic in the merge
 
 
 @pytest.fixture(scope="module")
@@ -276,13 +278,9 @@ def setup(tmp_path_factory):
     return {"root": root, "registry": registry, "world": world, "spec": spec, "raw": yaml.safe_load(spec.read_text())}
 
 
-def run_combined_merge(setup, combine: str, weights: list[float]):
+def combined_spec(setup, combine: str, weights: list[float]) -> Path:
+    """The world's spec with rev-low's two teachers (rev-a the primary, rev-b) combined by ``combine``."""
     import yaml
-
-    import tasks.merging.merge
-    from tasks.config import MergeConfig, OPDConfig
-    from tasks.merging.merge import merge_rank, start_merge_run
-    from tasks.specs.prompt_set import build_prompt_set, load_prompt_set
 
     raw = copy.deepcopy(setup["raw"])
     raw["routes"][0].update(teachers=["rev-a", "rev-b"], combine=combine,
@@ -290,11 +288,21 @@ def run_combined_merge(setup, combine: str, weights: list[float]):
     raw["routes"][0].pop("teacher", None)
     spec = setup["spec"].with_name(f"routes-{combine}.yaml")  # beside the world's data (relative paths)
     spec.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return spec
+
+
+def run_combined_merge(setup, combine: str, weights: list[float]):
+    import tasks.merging.merge
+    from tasks.config import MergeConfig, OPDConfig
+    from tasks.merging.merge import merge_rank, start_merge_run
+    from tasks.specs.prompt_set import build_prompt_set, load_prompt_set
+
+    spec = combined_spec(setup, combine, weights)
     prompt_set = str(build_prompt_set(spec, root=setup["root"] / "prompt_sets"))
     router = Router.for_merge(setup["registry"], load_prompt_set(prompt_set).routes, [],
                               load_prompt_set(prompt_set).spec)
     opd = OPDConfig(steps=2, batch_size=8, max_new_tokens=4, warmup_steps=0, eval_every=2, cold_start_steps=0,
-                    gate_threshold=0.0, pass_k=0, recovery_prompts=0, lmbda=1.0, max_resident_teachers=2)
+                    gate_threshold=0.0, pass_k=0, recovery_prompts=2, lmbda=1.0, max_resident_teachers=2)
     cfg = MergeConfig(world=setup["world"], student_uri=str(setup["root"] / "student"), opd=opd,
                       experiment="test-combine", label=combine)
     scored = []
@@ -312,22 +320,33 @@ def run_combined_merge(setup, combine: str, weights: list[float]):
     def evaluate_spy(*args, **kwargs):
         return dataclasses.replace(real_evaluate(*args, **kwargs), accuracy=next(accuracies))
 
+    def recovery_stub(model, *args, **kwargs):  # the recovery diagnostic, set per checkpoint (the student's 0)
+        return RECOVERY.get(Path(model.name_or_path).name, 0.0)
+
+    offpolicy, real_offpolicy = [], tasks.merging.merge.OffPolicyData
+
+    def offpolicy_spy(*args, **kwargs):
+        offpolicy.append(real_offpolicy(*args, **kwargs))
+        return offpolicy[-1]
+
     run_id = start_merge_run(cfg, router, f"combine-{combine}", prompt_set)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tasks.merging.merge, "OffPolicyData", offpolicy_spy)
         mp.setattr(tasks.merging.merge, "update_step", update_spy)
         mp.setattr(tasks.merging.merge, "evaluate_route", evaluate_spy)
+        mp.setattr(tasks.merging.merge, "recovery_rate", recovery_stub)
         out = merge_rank(cfg, prompt_set, router, run_id)
-    return out, scored
+    return out, scored, offpolicy[0]
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("combine, weights", [("select", []), ("mixture", [1.0, 3.0]), ("average_logits", [])])
-def test_a_merge_with_two_teachers_on_one_route(setup, combine, weights):
+def test_a_merge_with_two_teachers_on_one_route(setup, combine, weights, capsys):
     from mlflow.tracking import MlflowClient
 
     from tasks.tracking.runs import tracking_uri
 
-    out, scored = run_combined_merge(setup, combine, weights)
+    out, scored, offpolicy = run_combined_merge(setup, combine, weights)
     rows = {row["route"]: row for row in out["rows"]}
     assert rows["rev-low"]["teacher"] == "rev-a+rev-b" and rows["sort-low"]["teacher"] == "sort-a"
     run = MlflowClient(tracking_uri()).get_run(out["run_id"])
@@ -338,8 +357,16 @@ def test_a_merge_with_two_teachers_on_one_route(setup, combine, weights):
     assert rows["rev-low"]["retention"] == pytest.approx(rows["rev-low"]["student_accuracy"] / 0.75)
     assert rows["sort-low"]["teacher_accuracy"] == 0.5 and "teacher_accuracy/sort-low/sort-a" not in m
     assert run.data.tags["combine.rev-low"] == f"{combine} {weights}"
+    # The recovery diagnostic too measures each teacher of rev-low, and keeps the better (here the primary).
+    assert (m["recovery/teacher/rev-low/rev-a"], m["recovery/teacher/rev-low/rev-b"]) == (0.75, 0.25)
+    assert m["recovery/teacher/rev-low"] == 0.75 and m["recovery/teacher/sort-low"] == 0.5
+    assert "recovery/teacher/sort-low/sort-a" not in m
+    assert "rev-low 0.00 / 0.75 / 0.00, sort-low 0.00 / 0.50 / 0.00" in capsys.readouterr().out  # the summary's
     assert {"teacher_nll/rev-low/rev-a", "teacher_nll/rev-low/rev-b"} <= set(m)
     assert len(scored) == 2
+    # Off-policy completions (the cold start, GKD's 1 - lambda) of rev-low come from both of its teachers, by weight.
+    assert offpolicy.sample_from == {"rev-low": (["rev-a", "rev-b"], weights)}
+    assert offpolicy.teacher("a prompt", "sort-low") == "sort-a"
     for routes, step in scored:  # every rev-low row scored once, by a teacher of rev-low or their combination
         assert step["sort-a"] == [i for i, r in enumerate(routes) if r == "sort-low"]
         rev = {name: rows for name, rows in step.items() if name != "sort-a"}
@@ -353,3 +380,84 @@ def test_a_merge_with_two_teachers_on_one_route(setup, combine, weights):
         assert sum(shares) == pytest.approx(1.0)
     else:
         assert not any(k.startswith("teacher_share/") for k in m)
+
+
+# ------------------------------------------------------------------------------------------ flows.evaluate
+
+# Held-out accuracy per (checkpoint folder, route), set (untrained models score 0): rev-low's better teacher is its
+# second, rev-b; on sort-low the base beats the teacher (no gain to recover) and the model (left below its base).
+ACCURACY = {("student", "rev-low"): 0.5, ("base", "rev-low"): 0.125, ("rev-a", "rev-low"): 0.25,
+            ("rev-b", "rev-low"): 0.75, ("student", "sort-low"): 0.5, ("base", "sort-low"): 0.625,
+            ("sort-a", "sort-low"): 0.5}
+
+
+@pytest.mark.e2e
+def test_evaluate_measures_every_teacher_of_a_route_and_the_base(setup, prefect_server, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    import flows.evaluate
+    from flows.evaluate import NO_BASE, EvaluateConfig, evaluate
+    from tasks.modeling.models import create_model, save_model
+    from tasks.specs.prompt_set import load_prompt_set
+    from tasks.tracking.runs import tracking_uri
+    from tasks.training.pretrain import prompt_set_task
+    from tasks.world.tokenizer import build_char_tokenizer
+
+    root, tok = setup["root"], build_char_tokenizer()
+    base = root / "base"
+    if not base.exists():
+        save_model(create_model(tok, seed=9, **TINY), tok, base)
+    spec, student = combined_spec(setup, "select", []), str(root / "student")
+    sets = load_prompt_set(prompt_set_task(str(spec), setup["world"], student)).eval_sets()  # the flow's own
+    route_of = {tuple(prompts): r for r, (prompts, _) in sets.items()}
+    loaded, said = [], []
+    real_load, real_evaluate = flows.evaluate.load_model, flows.evaluate.evaluate_route
+
+    def load_spy(uri, *args, **kwargs):
+        loaded.append(Path(uri).name)
+        return real_load(uri, *args, **kwargs)
+
+    def evaluate_spy(model, tok, verify, prompts, *args, **kwargs):
+        score = real_evaluate(model, tok, verify, prompts, *args, **kwargs)
+        return dataclasses.replace(score, accuracy=ACCURACY[Path(model.name_or_path).name, route_of[tuple(prompts)]])
+
+    monkeypatch.setenv("OPD_REGISTRY", str(setup["registry"].path))
+    monkeypatch.setattr(flows.evaluate, "load_model", load_spy)
+    monkeypatch.setattr(flows.evaluate, "evaluate_route", evaluate_spy)
+    monkeypatch.setattr(flows.evaluate, "say", said.append)
+    cfg = EvaluateConfig(spec=str(spec), model_uri=student, base_uri=str(base), experiment="test-combine-eval")
+    out = evaluate(cfg)
+    assert sorted(loaded) == ["base", "rev-a", "rev-b", "sort-a", "student"]  # each checkpoint loaded once
+    rows = {row["route"]: row for row in out["rows"]}
+    rev, srt = rows["rev-low"], rows["sort-low"]
+    # rev-low: measured against the better of its two teachers; gain recovered (0.5 - 0.125) / (0.75 - 0.125) = 0.6.
+    assert rev["teacher"] == "rev-b" and rev["teacher_accuracies"] == {"rev-a": 0.25, "rev-b": 0.75}
+    assert (rev["teacher_accuracy"], rev["base_accuracy"], rev["model_accuracy"], rev["student_accuracy"]) == \
+        (0.75, 0.125, 0.5, 0.5)
+    assert rev["retention"] == pytest.approx(0.5 / 0.75, abs=1e-9)
+    assert rev["gain_recovered"] == pytest.approx((0.5 - 0.125) / (0.75 - 0.125), abs=1e-9)
+    assert rev["gain_recovered"] == pytest.approx(0.6, abs=1e-9)
+    # sort-low: one teacher, which gained nothing over the base (0.5 < 0.625): no gain to recover.
+    assert srt["teacher"] == "sort-a" and srt["teacher_accuracies"] == {"sort-a": 0.5}
+    assert (srt["base_accuracy"], srt["gain_recovered"], srt["retention"]) == (0.625, None, 1.0)
+    m = MlflowClient(tracking_uri()).get_run(out["run_id"]).data.metrics
+    assert (m["teacher_accuracy/rev-low/rev-a"], m["teacher_accuracy/rev-low/rev-b"]) == (0.25, 0.75)
+    assert m["teacher_accuracy/rev-low"] == 0.75 and m["teacher_accuracy/sort-low"] == 0.5
+    assert "teacher_accuracy/sort-low/sort-a" not in m
+    assert (m["base_accuracy/rev-low"], m["base_accuracy/sort-low"]) == (0.125, 0.625)
+    assert m["gain_recovered/rev-low"] == pytest.approx(0.6, abs=1e-9) and "gain_recovered/sort-low" not in m
+    assert (m["model_accuracy/rev-low"], m["model_accuracy/sort-low"]) == (0.5, 0.5)
+    assert m["retention/mean"] == pytest.approx((0.5 / 0.75 + 1.0) / 2, abs=1e-9)
+    # The merge's table and its warning for a route left below its base.
+    assert any("gain rec." in line and "rev-b" in line for line in said), said
+    assert "warning: the student ended below its base on 1 route(s): sort-low (student 0.500 < base 0.625)" in said
+
+    loaded.clear(), said.clear()
+    out = evaluate(cfg.model_copy(update={"base_uri": NO_BASE}))
+    assert "base" not in loaded
+    assert [(row["base_accuracy"], row["gain_recovered"]) for row in out["rows"]] == [(None, None)] * 2
+    assert [line for line in said if line.startswith("no base measured")] == [
+        "no base measured (base_uri 'none'): base_accuracy and gain_recovered are left empty"]
+    m = MlflowClient(tracking_uri()).get_run(out["run_id"]).data.metrics
+    assert not any(k.startswith(("base_accuracy/", "gain_recovered/")) for k in m)
+    assert not any(line.startswith("warning:") for line in said)

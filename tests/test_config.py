@@ -73,3 +73,25 @@ def test_default_world_specialists_learn_to_recover_and_the_quick_and_real_profi
     assert pipeline_config("default").specialists("base").train.recovery_noise == 0.3
     assert pipeline_config("quick").specialist_train.recovery_noise == 0.0
     assert pipeline_config("real").specialist_train.recovery_noise == 0.0
+
+
+def test_the_main_job_merges_in_two_stages_and_the_comparisons_start_plain():
+    """cold_start_steps 100 is the merge's default (the default world's main job: mean retention 0.953 -> 0.977);
+    the quick profile, the method benchmark and the objectives menu start plain, so their plain-OPD rows stay plain
+    and only opd_two_stage / two_stage add the stage."""
+    from flows.bench.benchmark import METHODS, benchmark_config
+    from flows.objectives import VARIANTS, objectives_config
+    from tasks.config import _deep_merge
+
+    assert pipeline_config("default").opd.cold_start_steps == 100
+    assert MergeConfig().opd.cold_start_steps == 100
+    assert pipeline_config("quick").opd.cold_start_steps == 0
+    assert pipeline_config("real").opd.cold_start_steps == 30
+    for profile in ("default", "quick"):
+        bench = benchmark_config(profile)
+        assert bench.opd.cold_start_steps == 0
+        assert _deep_merge(bench.opd.model_dump(), METHODS["opd_two_stage"]["opd"])["cold_start_steps"] == 100
+        objectives = objectives_config(profile)
+        assert objectives.opd.cold_start_steps == 0
+        assert _deep_merge(objectives.opd.model_dump(), VARIANTS["two_stage"])["cold_start_steps"] == 100
+    assert benchmark_config("default", opd={"cold_start_steps": 7}).opd.cold_start_steps == 7  # the user's word wins

@@ -138,6 +138,26 @@ def _producer(tok, student, teacher, lmbda_source="teacher", overlap=False, seed
                          overlap=overlap, verifiers=VERIFIERS), off
 
 
+def test_overlap_shares_the_cores_out_between_generation_and_update(tok):
+    """With overlap and n >= 2 torch threads, the background generation runs on n // 2 and the update on the rest
+    (not 2n threads on n cores); close() gives the update its n back. One thread stays one for both."""
+    student, teacher = tiny(tok, 3), tiny(tok, 4)
+    before = torch.get_num_threads()
+    try:
+        for n, gen, upd in ((4, 2, 2), (3, 1, 2), (1, 1, 1)):
+            torch.set_num_threads(n)
+            producer, _ = _producer(tok, student, teacher, overlap=True)
+            try:
+                assert torch.get_num_threads() == upd
+                assert producer.executor.submit(torch.get_num_threads).result() == gen
+                assert producer.next(1.0, version=0).on_policy
+            finally:
+                producer.close()
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_lambda_zero_uses_no_student_samples_and_caches_teacher_samples(tok):
     student, teacher = tiny(tok, 3), tiny(tok, 4)
     s_gen, t_gen = CountingGenerate(student), CountingGenerate(teacher)
@@ -516,3 +536,39 @@ def test_recovery_noise_rows_put_the_error_in_the_prompt_and_the_gold_rest_in_th
         assert labelled == tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id]
     assert noisy_row(tok, "<bos><sort><low>5203=", "0235", "0235", 1.0, random.Random(0)) == (
         "<bos><sort><low>5203=", "0235")  # no trace: the row stays gold
+
+
+def test_sampling_teacher_is_stable_per_prompt_and_shares_prompts_by_weight():
+    from tasks.objectives.combine import sampling_teacher
+
+    prompts = [f"prompt {i}" for i in range(4000)]
+    picks = [sampling_teacher(p, ["a", "b"], [1, 3]) for p in prompts]
+    assert picks == [sampling_teacher(p, ["a", "b"], [1, 3]) for p in prompts]  # the same teacher every time
+    # Binomial(4000, 0.25): sd 27; outside 900-1100 has probability < 1e-4.
+    assert 900 <= picks.count("a") <= 1100
+    uniform = [sampling_teacher(p, ["a", "b", "c"]) for p in prompts]
+    assert all(1200 <= uniform.count(n) <= 1470 for n in "abc")  # 1333 each, sd 30
+    assert {sampling_teacher(p, ["only"]) for p in prompts[:50]} == {"only"}
+    with pytest.raises(ValueError):
+        sampling_teacher("x", ["a", "b"], [1, 0])
+
+
+def test_off_policy_completions_of_a_route_with_two_teachers_come_from_both(tok):
+    """A route with teachers [t, u]: each prompt's cached completion is its sampling_teacher's sample; the route
+    without ``sample_from`` keeps its one teacher."""
+    from tasks.objectives.combine import sampling_teacher
+
+    t, u = tiny(tok, 4), tiny(tok, 6)
+    teachers = checkpoint_teachers({"t": t, "u": u})
+    two, one = ROUTES[0], ROUTES[1]
+    off = OffPolicyData("teacher", tok, teachers, {r: "t" for r in ROUTES}, gold_map(), verifiers=VERIFIERS,
+                        sample_from={two: (["t", "u"], []), one: (["t"], [])})
+    sets = train_sets()
+    prompts = sets[two][0] + sets[one][0]
+    routes = [two] * len(sets[two][0]) + [one] * len(sets[one][0])
+    off.batch(prompts, routes, [""] * len(prompts), [8] * len(prompts))
+    want = {n: {p for p, r in zip(prompts, routes) if r == two and sampling_teacher(p, ["t", "u"]) == n}
+            for n in ("t", "u")}
+    assert want["t"] and want["u"], "the fixture's prompts should split between the two teachers"
+    assert set(off.cache["u"]) == want["u"]
+    assert set(off.cache["t"]) == want["t"] | set(sets[one][0])

@@ -248,6 +248,17 @@ def test_evaluate_scores_the_champion_like_its_merge_did(quick_run, second_merge
     # Same held-out prompts, same greedy decoding, same weights: the same accuracies as the merge measured.
     assert [r["model_accuracy"] for r in out["rows"]] == pytest.approx([r["student_accuracy"] for r in best["rows"]])
     assert out["mean_retention"] == pytest.approx(best["mean_retention"])
+    # The empty base_uri is the pipeline's base, the merge's student before training: the merge's base accuracies,
+    # and each route's gain recovered from the three accuracies (None where the teacher gained nothing).
+    assert out["base_path"] == quick_run[1]["base_uri"]
+    assert [r["base_accuracy"] for r in out["rows"]] == pytest.approx([r["base_accuracy"] for r in best["rows"]])
+    for row in out["rows"]:
+        model, teacher, base = row["model_accuracy"], row["teacher_accuracy"], row["base_accuracy"]
+        if teacher > base:
+            assert row["gain_recovered"] == pytest.approx((model - base) / (teacher - base), abs=1e-9), row
+        else:
+            assert row["gain_recovered"] is None, row
+    assert [r["gain_recovered"] for r in out["rows"]] == pytest.approx([r["gain_recovered"] for r in best["rows"]])
 
 
 def test_register_teacher_flow_validates_then_writes_registry_and_mlflow(quick_run, tmp_path):

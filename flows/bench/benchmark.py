@@ -133,6 +133,7 @@ def benchmark_config(profile: str = "default", **overrides: Any) -> BenchmarkCon
     # merge's gate (default 0.8) would refuse plain on-policy distillation before its first step. Here it only
     # refuses a student that cannot produce the format at all.
     opd["gate_threshold"] = 0.5
+    opd["cold_start_steps"] = 0  # the methods start plain (the pipeline's default is two-stage): opd_two_stage adds it
     data = {**data, "experiment": "opd-benchmark"}
     return BenchmarkConfig.model_validate(_deep_merge(data, overrides))
 

@@ -126,7 +126,8 @@ def run_case(cfg: BenchTeachersConfig, setup: dict[str, Any], n_teachers: int, m
     the process's peak RSS, the mean step time and its teacher-scoring part, and the pool's loads and evictions."""
     routes = setup["routes"][:n_teachers]
     opd = OPDConfig(steps=cfg.steps, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, warmup_steps=0,
-                    max_resident_teachers=max_resident, eval_every=1_000_000, seed=cfg.seed)
+                    max_resident_teachers=max_resident, eval_every=1_000_000, seed=cfg.seed,
+                    cold_start_steps=0)  # times on-policy steps only
     mcfg = MergeConfig(world=cfg.world(routes), student_uri=setup["student"], opd=opd,
                        experiment=cfg.experiment, label=f"{n_teachers}teachers-resident{max_resident or 'all'}")
     router = Router.from_registry(TeacherRegistry(setup["registry"]), routes)

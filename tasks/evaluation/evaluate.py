@@ -169,6 +169,25 @@ def gain_recovered(student_acc: float, teacher_acc: float, base_acc: float) -> f
     return (student_acc - base_acc) / gain if gain > 0 else None
 
 
+def retention_row(route: str, teacher: str, student_acc: float, teacher_acc: float,
+                  base_acc: float | None) -> dict[str, Any]:
+    """One route's row of a retention table (the merge's and the evaluate flow's, as
+    :func:`tasks.tracking.runs.format_retention_table` prints them): the accuracies, :func:`retention` and
+    :func:`gain_recovered`; ``base_acc`` None = no base measured (its gain recovered None too)."""
+    return {"route": route, "teacher": teacher, "base_accuracy": base_acc, "teacher_accuracy": teacher_acc,
+            "student_accuracy": student_acc, "retention": retention(student_acc, teacher_acc),
+            "gain_recovered": None if base_acc is None else gain_recovered(student_acc, teacher_acc, base_acc)}
+
+
+def teacher_metrics(metric: str, per_teacher: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """MLflow metrics of one measurement of every teacher of each route (``per_teacher``: route -> teacher name ->
+    value): ``<metric>/<route>``, the best of the route's teachers (a route with several is measured against the best),
+    and ``<metric>/<route>/<name>`` for each teacher of a route that has several. Routes with no value are left out."""
+    best = {f"{metric}/{r}": max(values.values()) for r, values in per_teacher.items() if values}
+    return best | {f"{metric}/{r}/{name}": v for r, values in per_teacher.items() if len(values) > 1
+                   for name, v in values.items()}
+
+
 def route_mean(per_route: Mapping[str, float] | Iterable[float]) -> float:
     """The mean over routes, each route counting once whatever its number of prompts: the one mean behind every
     ``<metric>/mean`` in MLflow, the tables' mean and the registered student's ``mean_retention``."""
@@ -186,9 +205,9 @@ def mean_retention(rows: Iterable[Mapping[str, Any]]) -> float:
 def below_base(rows: Iterable[Mapping[str, Any]]) -> str:
     """The summary's warning when the merge left any route below its base (student accuracy < base accuracy on the
     same held-out prompts: a negative gain recovered, which a high retention can hide), naming each such route with
-    both accuracies; empty when none is."""
+    both accuracies; empty when none is. Rows without a base accuracy (none measured) are skipped."""
     under = [f"{r['route']} (student {r['student_accuracy']:.3f} < base {r['base_accuracy']:.3f})" for r in rows
-             if r["student_accuracy"] < r["base_accuracy"]]
+             if r["base_accuracy"] is not None and r["student_accuracy"] < r["base_accuracy"]]
     return f"warning: the student ended below its base on {len(under)} route(s): " + ", ".join(under) if under else ""
 
 

@@ -48,7 +48,6 @@ from tasks.training.distill import (
 )
 from tasks.evaluation.evaluate import (
     GateResult,
-    gain_recovered,
     RouteScore,
     compliance_gate,
     evaluate_route,
@@ -57,8 +56,10 @@ from tasks.evaluation.evaluate import (
     mean_retention,
     recovery_rate,
     retention,
+    retention_row,
     route_mean,
     sampled_pass_at_k,
+    teacher_metrics,
 )
 from tasks.objectives.losses import DIAGNOSTICS, Objective
 from tasks.merging.merge_state import MergeState
@@ -254,7 +255,7 @@ class MergeLoop:
                                 opd.max_resident_teachers,
                                 **host_parking(resolve_device(opd.teacher_device), opd.teacher_offload))
         self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
-        self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}  # the primary: off-policy samples
+        self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}  # the primary
         # Every teacher of each route (the primary first); a route with several combines them (the spec's combine).
         self.teachers_of = {r: [rec.name for rec in router.teachers_for(r)] for r in self.routes}
         self.combinations = {r: (names, *router.combine_for(r)) for r, names in self.teachers_of.items()
@@ -286,8 +287,11 @@ class MergeLoop:
         self.engine, self.servers = self._vllm_engines(cfg, records, gold)
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind.
         self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok))
+        # A route with several teachers takes each prompt's off-policy sample from one of them, by its weight.
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
-                                       opd.sample_temperature, verifiers=self.verifiers, eos=self.eos)
+                                       opd.sample_temperature, verifiers=self.verifiers, eos=self.eos,
+                                       sample_from={r: (names, weights) for r, (names, _, weights)
+                                                    in self.combinations.items()})
         self.window = _Window(self.state.window)
         self.planned = opd.cold_start_steps + opd.steps
         self.progress = Progress("merge-progress", f"merge {run_id}: optimizer steps done")
@@ -393,15 +397,16 @@ class MergeLoop:
         # A route with several teachers is measured against the best of them.
         self.state.teacher_acc = {r: max(acc.values()) for r, acc in each.items()}
         base = self.state.scores = self.state.base_scores = self.evaluate(self.student)
-        self.log({**{f"teacher_accuracy/{r}": a for r, a in self.state.teacher_acc.items()},
-                  **{f"teacher_accuracy/{r}/{name}": a for r, acc in each.items() if len(acc) > 1
-                     for name, a in acc.items()},
+        self.log({**teacher_metrics("teacher_accuracy", each),
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
                   **route_metrics(base, self.state.teacher_acc, self.labels)}, 0)
-        self.state.recovery = {"base": self.recovery(self.student),
-                               "teacher": {r: v for r in self.routes if (v := self.recovery(
-                                   self.teachers[self.teacher_of[r]].model, [r]).get(r)) is not None}}
-        self.log({f"recovery/{who}/{r}": v for who, per in self.state.recovery.items() for r, v in per.items()}, 0)
+        base_recovery = self.recovery(self.student)
+        teachers = {r: self.teacher_recoveries(r) for r in self.routes}
+        # The state (and the summary) keeps the best teacher of each route, as for accuracy.
+        self.state.recovery = {"base": base_recovery,
+                               "teacher": {r: max(per.values()) for r, per in teachers.items() if per}}
+        self.log({**{f"recovery/base/{r}": v for r, v in base_recovery.items()},
+                  **teacher_metrics("recovery/teacher", teachers)}, 0)
         if self.mix_slice is not None:
             self.state.slice_teacher_acc = {r: max(self.teacher_accuracies(r, self.mix_slice[r]).values())
                                             for r in self.routes}
@@ -413,6 +418,14 @@ class MergeLoop:
         """Greedy accuracy of each teacher of ``route`` on ``prompts_answers`` (held-out prompts and answers)."""
         return {name: evaluate_route(self.teachers[name].model, self.tok, self.verifiers[route], *prompts_answers,
                                      self.caps[route]).accuracy for name in self.teachers_of[route]}
+
+    def teacher_recoveries(self, route: str) -> dict[str, float]:
+        """The recovery diagnostic (:meth:`recovery`) of each teacher of ``route``; empty when it has no trace to derail
+        or ``opd.recovery_prompts`` is 0 (then no teacher is loaded for it)."""
+        if not self.opd.recovery_prompts:
+            return {}
+        return {name: v for name in self.teachers_of[route]
+                if (v := self.recovery(self.teachers[name].model, [route]).get(route)) is not None}
 
     def recovery(self, model, routes: list[str] | None = None) -> dict[str, float]:
         """The recovery diagnostic (:func:`tasks.evaluation.evaluate.recovery_rate`) of ``model`` on the first
@@ -764,13 +777,8 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
         return {}
 
     scores = loop.state.scores
-    rows = [
-        {"route": r, "teacher": "+".join(loop.teachers_of[r]), "base_accuracy": base_scores[r].accuracy,
-         "teacher_accuracy": loop.state.teacher_acc[r], "student_accuracy": scores[r].accuracy,
-         "retention": retention(scores[r].accuracy, loop.state.teacher_acc[r]),
-         "gain_recovered": gain_recovered(scores[r].accuracy, loop.state.teacher_acc[r], base_scores[r].accuracy)}
-        for r in routes
-    ]
+    rows = [retention_row(r, "+".join(loop.teachers_of[r]), scores[r].accuracy, loop.state.teacher_acc[r],
+                          base_scores[r].accuracy) for r in routes]
     _, out = save_trained(loop.student, loop.tok, models_dir() / "merged" / run_id, state_dict)
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
     log_retention(run_id, rows, out)

@@ -14,11 +14,14 @@ With K teachers' log-distributions ``log p_k`` over V tokens at a position and w
 
 The per-token modes run as a head over the teachers' features concatenated on the last axis
 (:class:`CombinedHead`, like :class:`tasks.objectives.losses.ExtrapolatedHead`), so the objective applies it chunk by
-chunk and no ``[B, T, V]`` tensor exists for the whole batch.
+chunk and no ``[B, T, V]`` tensor exists for the whole batch. Off-policy completions of such a route (GKD's
+``1 - lambda`` batches, the two-stage cold start) come from one of its teachers per prompt, drawn in proportion to the
+weights by a hash of the prompt (:func:`sampling_teacher`), so every teacher writes some and a prompt's is stable.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,6 +39,19 @@ def normalized_weights(weights: Sequence[float], k: int) -> torch.Tensor:
     if len(weights) != k or not bool((w_K > 0).all()) or not bool(torch.isfinite(w_K).all()):
         raise ValueError(f"weights {list(weights)}: expected {k} positive finite numbers")
     return (w_K / w_K.sum()).float()
+
+
+def sampling_teacher(prompt: str, names: Sequence[str], weights: Sequence[float] = ()) -> str:
+    """The teacher of ``names`` that samples ``prompt``'s off-policy completion: ``u`` = the prompt's SHA-256 as a
+    number in [0, 1), the first teacher whose cumulative weight (normalised, uniform when empty) exceeds ``u``. The same
+    prompt always gets the same teacher, in any process; over many prompts each gets its weight's share."""
+    u = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2.0**64
+    cum = 0.0
+    for name, w in zip(names, normalized_weights(weights, len(names)).tolist()):
+        cum += w
+        if u < cum:
+            return name
+    return names[-1]  # u within rounding of 1
 
 
 def mixture_logprobs(logp_K_N_V: torch.Tensor, w_K: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.modeling.device import autocast_for
-from tasks.objectives.combine import PER_TOKEN, CombinedHead, normalized_weights, select_teachers, sequence_nll
+from tasks.objectives.combine import (PER_TOKEN, CombinedHead, normalized_weights, sampling_teacher, select_teachers,
+                                      sequence_nll)
 from tasks.modeling.engines import ALL_VOCAB, VLLMRollout, rollout_with_logprobs
 from tasks.objectives.losses import (DIAGNOSTICS, ExtrapolatedHead, Objective, ObjectiveResult, TokenInputs,
                                      chunked_objective, spread_scales)
@@ -144,7 +145,9 @@ class OffPolicyData:
     ``teacher``: each prompt's routed teacher samples a completion once (at the sampling temperature); it is cached
     per teacher and reused whenever that prompt comes back. ``dataset``: the prompt set's gold ``completion`` column.
     ``eos``: the ids that end a completion (default the tokenizer's EOS; the merge gives the student's
-    :func:`tasks.modeling.rollout.eos_ids`), which the truncation flags read.
+    :func:`tasks.modeling.rollout.eos_ids`), which the truncation flags read. ``sample_from``: route -> (its
+    teachers, weights) for routes with several teachers, whose prompts are each sampled by one of them
+    (:func:`tasks.objectives.combine.sampling_teacher`); other routes use ``teacher_of``.
     """
 
     def __init__(
@@ -158,13 +161,21 @@ class OffPolicyData:
         *,
         verifiers: Mapping[str, Verifier],
         eos: tuple[int, ...] = (),
+        sample_from: Mapping[str, tuple[list[str], list[float]]] | None = None,
     ):
         if source not in ("teacher", "dataset"):
             raise ValueError(f"off-policy source must be 'teacher' or 'dataset', got {source!r}")
         self.source, self.tok, self.teachers, self.teacher_of = source, tok, teachers, teacher_of
         self.gold, self.sample_temperature, self.verifiers = gold, sample_temperature, verifiers
         self.eos = eos or eos_ids(tok)
+        self.sample_from = {r: v for r, v in (sample_from or {}).items() if len(v[0]) > 1}
         self.cache: dict[str, dict[str, list[int]]] = {name: {} for name in teachers}  # teacher -> prompt -> ids
+
+    def teacher(self, prompt: str, route: str) -> str:
+        """The teacher whose sample of ``prompt`` is its off-policy completion."""
+        if route in self.sample_from:
+            return sampling_teacher(prompt, *self.sample_from[route])
+        return self.teacher_of[route]
 
     def batch(self, prompts: list[str], routes: list[str], answers: list[str], caps_B: list[int],
               generator: torch.Generator | None = None) -> Batch:
@@ -179,7 +190,7 @@ class OffPolicyData:
             responses = [x + [self.tok.eos_token_id] for x in ids]
         else:
             generated, generated_tokens = self._fill(prompts, routes, caps_B, generator)
-            responses = [self.cache[self.teacher_of[r]][p] for p, r in zip(prompts, routes)]
+            responses = [self.cache[self.teacher(p, r)][p] for p, r in zip(prompts, routes)]
         rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses, self.eos), caps_B, self.eos)
         rewards_B = verifier_rewards(self.tok, rollout, routes, answers, self.verifiers)
         return Batch(rollout, routes, answers, False, -1, rewards_B, None, generated, generated_tokens)
@@ -191,7 +202,7 @@ class OffPolicyData:
         todo: dict[str, dict[str, int]] = {}
         tokens = 0
         for p, r, cap in zip(prompts, routes, caps_B):
-            name = self.teacher_of[r]
+            name = self.teacher(p, r)
             if p not in self.cache[name]:
                 todo.setdefault(name, {})[p] = cap
         for name, caps in todo.items():
@@ -264,7 +275,16 @@ class BatchProducer:
         self.rollout_model = None
         if overlap and engine is None:
             self.rollout_model = copy.deepcopy(student).eval().requires_grad_(False)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if overlap else None
+        # The cores are shared out, not oversubscribed: with n >= 2 torch threads the background generation gets
+        # n // 2 of them and the update the rest (a thread's OpenMP team size is its own), restored at close().
+        self.threads_before = torch.get_num_threads()
+        split = overlap and engine is None and self.threads_before >= 2
+        rollout_threads = self.threads_before // 2
+        if split:
+            torch.set_num_threads(self.threads_before - rollout_threads)
+        self.executor = (ThreadPoolExecutor(1, thread_name_prefix="rollout", initializer=torch.set_num_threads,
+                                            initargs=(rollout_threads if split else self.threads_before,))
+                         if overlap else None)
         self.generator = torch.Generator().manual_seed(seed) if overlap else None
         self.pending: Future | None = None
         self.sync_seconds = 0.0  # time of the last weight sync into the rollout model
@@ -341,6 +361,7 @@ class BatchProducer:
                     pass
             self.executor.shutdown(wait=True)
             self.pending = None
+            torch.set_num_threads(self.threads_before)
 
 
 TeacherScores = dict[str, TeacherScore]
