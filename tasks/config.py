@@ -226,7 +226,8 @@ class OPDConfig(LoRAFields, DeviceFields):
         "uniform", description="How each batch's prompts are spread over the routes: uniform, or retention = in "
         "proportion to what each route still lacks (1 - retention on a slice of its training prompts held out from "
         "training, smoothed across measurements, with a floor), remeasured every route_sampling_every steps "
-        "(tasks/merging/route_mix.py). MLflow logs route_share/<route> at every step.")
+        "(tasks/merging/route_mix.py). MLflow logs route_share/<route> at every step. Measured: +1.5 points of mean "
+        "retention on the 12-route world, -0.8 on the 6-route main job (README).")
     route_sampling_every: int = Field(
         50, ge=1, le=1_000_000, description="route_sampling retention: steps between measurements of the held-out "
         "slice (and at the start).")
