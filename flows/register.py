@@ -1,5 +1,6 @@
 """Flow `register-teacher`: add a specialist checkpoint (local path or hub id) to the teacher registry, after checking
-that it loads and shares the student's tokenizer, and as a version of MLflow model `teacher-<route>`. The same
+that it loads and shares the student's tokenizer (or, ``--wrapper aligned``, that a model of another family can read
+the student's text in its own tokenizer and template), and as a version of MLflow model `teacher-<route>`. The same
 validation as `python -m teachers register`; nothing is written when a check fails.
 
 Run:  python -m flows.register --name rev-high-v2 --route rev-high --model_uri ./ckpt [--eval_score 0.97]
@@ -8,7 +9,7 @@ Run:  python -m flows.register --name rev-high-v2 --route rev-high --model_uri .
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Literal, Optional
 
 from prefect import flow
 from pydantic import Field, field_validator, model_validator
@@ -36,6 +37,10 @@ class RegisterConfig(_Config):
     endpoint: str = Field("", description="vLLM OpenAI-compatible server serving it (http://host:port); checked "
                           "against the checkpoint's log-probs before registering.")
     mlflow: bool = Field(True, description="Also register it in the MLflow model registry (model teacher-ROUTE).")
+    wrapper: Literal["plain", "aligned"] = Field(
+        "plain", description="plain: it shares the student's tokenizer and scores the student's tokens as they are; "
+        "aligned: a model of another family (its own tokenizer and chat template), aligned to the student's tokens "
+        "by their bytes.")
 
     @field_validator("route")
     @classmethod
@@ -53,13 +58,24 @@ class RegisterConfig(_Config):
         return self
 
 
+def route_messages(spec: SpecInput, route: str) -> list[dict[str, str]] | None:
+    """A chat route's messages in the shape its rows render (its system prompt, then a user turn), for the chat
+    template checks at registration; None for a route that renders a format string."""
+    from tasks.specs.render import messages
+    from tasks.specs.spec import read_spec
+
+    spec_route = read_spec(spec).route(route)
+    return messages(spec_route, {"prompt": "1 + 1"}) if spec_route.render.kind == "chat" else None
+
+
 @flow(name="register-teacher", flow_run_name="register-teacher-{cfg.name}")
 def register_teacher(cfg: RegisterConfig) -> dict:
     """Validate, then write the registry entry (and the MLflow model version)."""
     record = TeacherRegistry().register_checkpoint(
         cfg.name, cfg.route, cfg.model_uri, cfg.student_tokenizer or str(world_dir() / "tokenizer"),
         eval_score=cfg.eval_score, provenance=Provenance(source="register-teacher"), replace=cfg.replace,
-        trust_remote_code=cfg.trust_remote_code, endpoint=cfg.endpoint,
+        trust_remote_code=cfg.trust_remote_code, endpoint=cfg.endpoint, wrapper=cfg.wrapper,
+        messages=route_messages(cfg.spec, cfg.route) if cfg.spec else None,
     )
     out = {"name": record.name, "route": record.route, "model_uri": record.model_uri}
     say(f"registered teacher {record.name} for route {record.route} ({record.model_uri})")

@@ -306,8 +306,11 @@ def tokenizer_problems(student, teacher, teacher_uri: str, field_name: str,
     ``messages``: a route's first prompt, which a teacher's own chat template must render as the student's)."""
     from tasks.specs.tokenizer import compatibility_problems
 
-    return [Problem(teacher_uri, f"{field_name} (tokenizer)", f"{p}; expected the student's tokenizer")
-            for p in compatibility_problems(student, teacher, messages)]
+    problems = compatibility_problems(student, teacher, messages)
+    other = student.get_vocab() != teacher.get_vocab()
+    return [Problem(teacher_uri, f"{field_name} (tokenizer)", f"{p}; expected the student's tokenizer" +
+                    (" (a teacher of another tokenizer teaches as an aligned teacher: register it with --wrapper "
+                     "aligned)" if other else "")) for p in problems]
 
 
 def stop_token_problems(uri: str, teacher_tok, config, student_tok, field_name: str) -> list[Problem]:
@@ -406,10 +409,17 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts:
     grant = f", or trust_remote_code: true granted in its registry entry ({registry_file})"
     ck = check_checkpoint(rec.model_uri, f"{name}.model_uri", rec.trust_remote_code, grant)
     problems = list(ck.problems)
+    aligned = getattr(rec, "wrapper", "plain") == "aligned"
     if ck.tokenizer is not None:
-        if student.tokenizer is not None:
-            own = getattr(ck.tokenizer, "chat_template", None)
-            messages = (first_prompt() if first_prompt is not None and own
+        own = getattr(ck.tokenizer, "chat_template", None)
+        if aligned:  # another tokenizer and template: it renders its own input, so it must be able to
+            from teachers.registry import aligned_problems
+
+            messages = first_prompt() if first_prompt is not None else None
+            problems += [Problem(rec.model_uri, f"{name}.model_uri (tokenizer)", p)
+                         for p in aligned_problems(ck.tokenizer, messages)]
+        elif student.tokenizer is not None:
+            messages = (first_prompt() if first_prompt is not None
                         and own != getattr(student.tokenizer, "chat_template", None) else None)
             problems += tokenizer_problems(student.tokenizer, ck.tokenizer, rec.model_uri, f"{name}.model_uri",
                                            messages)

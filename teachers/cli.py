@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--student_tokenizer", default=None, help="path or hub id (default: <state dir>/world/tokenizer)")
     reg.add_argument("--eval_score", type=float, default=None, help="accuracy on its route, in [0, 1]")
     reg.add_argument("--replace", action="store_true", help="overwrite a teacher of the same name")
+    reg.add_argument("--wrapper", choices=["plain", "aligned"], default="plain",
+                     help="plain: shares the student's tokenizer; aligned: a model of another family (its own "
+                     "tokenizer and chat template), aligned to the student's tokens by their bytes")
     reg.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
     reg.add_argument("--endpoint", default="", help="vLLM OpenAI-compatible server serving this checkpoint "
                      "(http://host:port); its log-probs are checked against the checkpoint before registering")
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace) -> None:
             trust_remote_code=args.trust_remote_code,
             endpoint=args.endpoint,
             parity_tol=args.parity_tol,
+            wrapper=args.wrapper,
         )
         print(f"registered {record.name} (route {record.route}, tokenizer {record.tokenizer_fingerprint}) "
               f"in {registry.path}")

@@ -23,9 +23,9 @@ import tempfile
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.common.paths import registry_path
 from tasks.common.problems import UserError
@@ -107,6 +107,15 @@ class TeacherRecord(BaseModel):
         "", description="vLLM OpenAI-compatible server serving model_uri (http://host:port), used by "
         "opd.teacher_backend=vllm; empty = an in-process engine"
     )
+    transport: Literal["auto", "checkpoint", "engine", "endpoint"] = Field(
+        "auto", description="how its scores are computed: its checkpoint, an in-process vLLM engine, or its endpoint; "
+        "auto = as the merge's opd.teacher_backend says (an aligned teacher: its checkpoint)"
+    )
+    wrapper: Literal["plain", "aligned"] = Field(
+        "plain", description="plain: scores the student's tokens as they are (same tokenizer); aligned: a model of "
+        "another tokenizer and chat template, which renders each row its own way and is aligned to the student's "
+        "tokens by their bytes"
+    )
 
     @field_validator("name")
     @classmethod
@@ -122,6 +131,13 @@ class TeacherRecord(BaseModel):
     @classmethod
     def _route(cls, v: str) -> str:
         return check_route_name(v)
+
+    @model_validator(mode="after")
+    def _aligned_transport(self) -> "TeacherRecord":
+        if self.wrapper == "aligned" and self.transport not in ("auto", "checkpoint"):
+            raise ValueError(f"an aligned teacher reads its own text through its checkpoint; transport "
+                             f"{self.transport!r} is not supported for it (expected auto or checkpoint)")
+        return self
 
 
 def check_endpoint(url: str) -> str:
@@ -236,13 +252,19 @@ class TeacherRegistry:
         trust_remote_code: bool = False,
         endpoint: str = "",
         parity_tol: float = 1e-3,
+        wrapper: str = "plain",
+        messages: list[dict[str, str]] | None = None,
     ) -> TeacherRecord:
         """Check that any HF checkpoint can teach the student, then add it; nothing is written unless it can.
 
         Raises :class:`IncompatibleTeacher` listing every problem: a bad name or route, a config or tokenizer that
         does not load, a tokenizer that differs from ``reference_tokenizer`` (object or path), too small a vocab.
         With an ``endpoint`` (a vLLM server) the server's prompt log-probs must also match the checkpoint's
-        transformers forward within ``parity_tol`` on a few fixed sequences.
+        transformers forward within ``parity_tol`` on a few fixed sequences. ``messages`` (the route's first prompt
+        as chat messages, when the route renders chat): the teacher's chat template must render them as the
+        student's does, or, for an ``aligned`` teacher (``wrapper``: another tokenizer and template, read through
+        :mod:`tasks.modeling.alignment`), it must have a chat template at all. An aligned teacher needs a fast
+        tokenizer and none of the same-tokenizer checks.
         """
         # Imported here so that list/show/remove (and the CLI) do not pay for importing transformers.
         from tasks.modeling.models import model_config
@@ -281,11 +303,19 @@ class TeacherRegistry:
                     f"student tokenizer {str(reference_tokenizer)!r} does not load: "
                     f"{type(e).__name__}: {_first_line(e)}"
                 ) from e
-        if teacher_tok is not None:
-            problems += compatibility_problems(ref_tok, teacher_tok)
-        vocab_size = getattr(config, "vocab_size", None)
-        if isinstance(vocab_size, int) and vocab_size < len(ref_tok):
-            problems.append(f"model vocab_size {vocab_size} < {len(ref_tok)} tokens of the student tokenizer")
+        if wrapper not in ("plain", "aligned"):
+            problems.append(f"wrapper {wrapper!r} is not one of ['plain', 'aligned']")
+        elif teacher_tok is not None and wrapper == "aligned":
+            problems += aligned_problems(teacher_tok, messages)
+        elif teacher_tok is not None:
+            same = compatibility_problems(ref_tok, teacher_tok, messages)
+            if same and ref_tok.get_vocab() != teacher_tok.get_vocab():
+                same[-1] += ("; a teacher of another tokenizer can teach as an aligned teacher (register it with "
+                             "--wrapper aligned)")
+            problems += same
+            vocab_size = getattr(config, "vocab_size", None)
+            if isinstance(vocab_size, int) and vocab_size < len(ref_tok):
+                problems.append(f"model vocab_size {vocab_size} < {len(ref_tok)} tokens of the student tokenizer")
         try:
             check_endpoint(endpoint)
         except ValueError as e:
@@ -305,6 +335,7 @@ class TeacherRegistry:
                 provenance=provenance or Provenance(source="api"),
                 trust_remote_code=trust_remote_code,
                 endpoint=endpoint,
+                wrapper=wrapper,
             )
         except ValidationError as e:
             raise RegistryError(": ".join(_validation_parts(e, f"teacher {name!r}"))) from e
@@ -379,6 +410,22 @@ class TeacherRegistry:
                 yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def aligned_problems(teacher_tok: PreTrainedTokenizerBase, messages: list[dict[str, str]] | None) -> list[str]:
+    """What keeps a tokenizer from serving an aligned teacher: no fast tokenizer (its token bytes are read from
+    tokenizer.json), or no chat template on a route that renders chat (``messages`` given)."""
+    from tasks.modeling.alignment import token_bytes
+
+    problems = []
+    try:
+        token_bytes(teacher_tok)
+    except ValueError as e:
+        problems.append(str(e))
+    if messages and not getattr(teacher_tok, "chat_template", None):
+        problems.append("the route renders chat messages and the teacher's tokenizer has no chat template to render "
+                        "them in its own terms; expected a tokenizer with a chat template")
+    return problems
 
 
 def _first_line(e: BaseException) -> str:

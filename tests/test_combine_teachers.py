@@ -315,7 +315,7 @@ def run_combined_merge(setup, combine: str, weights: list[float]):
     # Untrained teachers score 0 everywhere: their held-out accuracies are set, in the order the merge measures them
     # (rev-low's rev-a, rev-b, then sort-low's sort-a), so that the best of a route's two is not also the first.
     accuracies = iter([0.25, 0.75, 0.5])
-    real_evaluate = tasks.merging.merge.evaluate_route
+    real_evaluate = tasks.merging.merge.evaluate_teacher
 
     def evaluate_spy(*args, **kwargs):
         return dataclasses.replace(real_evaluate(*args, **kwargs), accuracy=next(accuracies))
@@ -333,7 +333,7 @@ def run_combined_merge(setup, combine: str, weights: list[float]):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tasks.merging.merge, "OffPolicyData", offpolicy_spy)
         mp.setattr(tasks.merging.merge, "update_step", update_spy)
-        mp.setattr(tasks.merging.merge, "evaluate_route", evaluate_spy)
+        mp.setattr(tasks.merging.merge, "evaluate_teacher", evaluate_spy)
         mp.setattr(tasks.merging.merge, "recovery_rate", recovery_stub)
         out = merge_rank(cfg, prompt_set, router, run_id)
     return out, scored, offpolicy[0]

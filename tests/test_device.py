@@ -150,7 +150,7 @@ def test_exopd_with_reference_in_another_dtype_than_the_teacher(tok):
         teacher = place_frozen(peaked(tok, 1), "cpu", teacher_dtype).eval()
         reference = place_frozen(peaked(tok, 2), "cpu", "fp32").eval()
         scores = score_with_teachers(checkpoint_teachers({"t": teacher}), {"t": [0, 3]}, batch.rollout)
-        rows, hidden, head = extrapolate_scores(scores, reference, batch.rollout, 1.5, vocab_size=len(tok))["t"]
+        rows, hidden, head, _, _ = extrapolate_scores(scores, reference, batch.rollout, 1.5, vocab_size=len(tok))["t"]
         assert hidden.dtype == torch.float32
         with torch.no_grad():
             values.append(torch.log_softmax(head(hidden), -1))

@@ -422,7 +422,7 @@ def test_extrapolated_scores_target_the_teacher_at_scale_one_and_past_it_beyond(
     mask = ro.attention_mask_B_T[[0, 2]].bool()
     costs = {}
     for scale, expected in ((1.0, logp_t), (2.0, torch.log_softmax(2 * logp_t - logp_r, -1))):
-        rows, hidden, head = extrapolate_scores(scores, reference, ro, scale, costs)["t"]
+        rows, hidden, head, _, _ = extrapolate_scores(scores, reference, ro, scale, costs)["t"]
         assert rows == [0, 2] and hidden.shape[-1] == 64  # teacher width 32 + reference width 32
         with torch.no_grad():
             got = torch.log_softmax(head(hidden), -1)

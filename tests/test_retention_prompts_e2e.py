@@ -31,7 +31,7 @@ def watched(prefect_server):
     seen = {"fine_tunes": [], "pools": [], "drawn": [], "evals": [], "verify": []}
     context = {"who": None}
     real_sft, real_eval_route = tasks.training.sft.train_sft, tasks.evaluation.evaluate.evaluate_route
-    real_merge_eval_route, real_merge_eval_routes = tasks.merging.merge.evaluate_route, tasks.merging.merge.evaluate_routes
+    real_merge_eval_teacher, real_merge_eval_routes = tasks.merging.merge.evaluate_teacher, tasks.merging.merge.evaluate_routes
     real_sampler = tasks.merging.merge.PromptSampler
     real_verifiers = tasks.specs.prompt_set.PromptSet.__dict__["verifiers"].func  # the cached property's own builder
 
@@ -55,11 +55,11 @@ def watched(prefect_server):
         seen["evals"].append(("specialist", verify.route, list(prompts), list(answers)))
         return real_eval_route(model, tok, verify, prompts, answers, *a, **k)
 
-    def teacher_eval_spy(model, tok, verify, prompts, answers, *a, **k):  # the merge scores only teachers this way
-        seen["evals"].append(("teacher", verify.route, list(prompts), list(answers)))
+    def teacher_eval_spy(teacher, tok, verify, rows, answers, *a, **k):  # the merge scores only teachers this way
+        seen["evals"].append(("teacher", verify.route, [r.prompt for r in rows], list(answers)))
         context["who"] = ("teacher", verify.route)
         try:
-            return real_merge_eval_route(model, tok, verify, prompts, answers, *a, **k)
+            return real_merge_eval_teacher(teacher, tok, verify, rows, answers, *a, **k)
         finally:
             context["who"] = None
 
@@ -86,7 +86,7 @@ def watched(prefect_server):
         mp.setattr(tasks.training.sft, "train_sft", sft_spy)
         mp.setattr(tasks.training.pretrain, "train_sft", sft_spy)
         mp.setattr(tasks.training.specialist, "evaluate_route", specialist_eval_spy)
-        mp.setattr(tasks.merging.merge, "evaluate_route", teacher_eval_spy)
+        mp.setattr(tasks.merging.merge, "evaluate_teacher", teacher_eval_spy)
         mp.setattr(tasks.merging.merge, "evaluate_routes", student_eval_spy)
         mp.setattr(tasks.specs.prompt_set.PromptSet, "verifiers", property(verifiers_spy))
         mp.setattr(tasks.merging.merge, "PromptSampler", SamplerSpy)

@@ -55,6 +55,20 @@ def evaluate_route(
     return RouteScore(correct / n, length / n, trunc / n, n)
 
 
+def evaluate_teacher(teacher, tok: PreTrainedTokenizerBase, verify: Verifier, rows: list, answers: list[str],
+                     max_new_tokens: int) -> RouteScore:
+    """A teacher's greedy accuracy on held-out rows (:class:`tasks.specs.render.RowText` s), through the teacher
+    interface: a teacher that reads the student's tokens (its ``model``) is evaluated as the student is; one that
+    reads its own text answers in its own template and tokens (``answer``; lengths in its tokens)."""
+    prompts = [r.prompt for r in rows]
+    if teacher.model is not None:
+        return evaluate_route(teacher.model, tok, verify, prompts, answers, max_new_tokens)
+    texts, lengths, truncated = teacher.answer(rows, max_new_tokens)
+    n = max(len(rows), 1)
+    return RouteScore(sum(right(verify, texts, list(answers), prompts)) / n, sum(lengths) / n, sum(truncated) / n,
+                      len(rows))
+
+
 def evaluate_routes(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,

@@ -44,14 +44,15 @@ from tasks.training.distill import (
     combine_scores,
     extrapolate_scores,
     score_with_teachers,
+    signal_coverage,
     update_step,
 )
 from tasks.evaluation.evaluate import (
     GateResult,
     RouteScore,
     compliance_gate,
-    evaluate_route,
     evaluate_routes,
+    evaluate_teacher,
     label_means,
     mean_retention,
     recovery_rate,
@@ -73,7 +74,10 @@ from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups
                                     sum_stats)
 from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
 from tasks.modeling.routing import Routing, TeacherRecord, combining_refusal, registry_fingerprint
+from tasks.modeling.aligned import AlignedTeacher
+from tasks.modeling.alignment import digit_ids
 from tasks.modeling.teacher import make_teachers, teacher_kind
+from tasks.specs.render import RowText
 from tasks.modeling.teacher_pool import TeacherPool, host_parking
 from tasks.modeling.device import (cpu_threads, place_frozen, place_trained, resolve_backend, resolve_device,
                                    torch_threads)
@@ -114,14 +118,19 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
 
 def _load_teacher(rec: TeacherRecord, student_fp: str, device: str = "auto", dtype: str = "fp32") -> torch.nn.Module:
     """A teacher's checkpoint, frozen, on ``device`` in ``dtype`` (the merge's ``opd.teacher_device`` and
-    ``opd.teacher_dtype``)."""
-    model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code), device, dtype)
+    ``opd.teacher_dtype``), once its tokenizer is checked (before any weight is read): the student's for a plain
+    teacher, the one it was registered with for an aligned one."""
     fp = tokenizer_fingerprint(load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code))
-    if fp != student_fp:
+    if rec.wrapper == "aligned" and fp != rec.tokenizer_fingerprint:
+        raise ValueError(f"aligned teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, registered with "
+                         f"{rec.tokenizer_fingerprint}: the checkpoint changed since; re-register it")
+    if rec.wrapper != "aligned" and fp != student_fp:
         raise ValueError(
             f"teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, the student has {student_fp}: "
-            "OPD needs the teacher to score the student's exact tokens"
+            "OPD needs the teacher to score the student's exact tokens (a teacher of another tokenizer teaches as "
+            "an aligned teacher: register it with --wrapper aligned)"
         )
+    model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code), device, dtype)
     model.requires_grad_(False)
     return model.eval()
 
@@ -263,6 +272,12 @@ class MergeLoop:
         refusal = combining_refusal(router, self.routes, opd.teacher_backend)
         if refusal:
             raise ValueError(f"opd.teacher_backend {refusal}")
+        mixed = sorted(r for r, names in self.teachers_of.items()
+                       if len(names) > 1 and any(records[n].wrapper == "aligned" for n in names))
+        if mixed:
+            raise ValueError(f"route(s) {mixed} combine several teachers, one of them aligned (another tokenizer): "
+                             "combining needs every teacher's distribution on the student's tokens; expected one "
+                             "teacher on a route with an aligned teacher")
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         # opd.route_normalization: each route's group (itself, or its value of a spec label; unlabelled: itself).
         key = opd.route_normalization.removeprefix("label:")
@@ -285,8 +300,15 @@ class MergeLoop:
         self.eval_completions = {r: list(d["completion"][:opd.recovery_prompts])
                                  for r, d in self.ps.rows("eval").items()} if opd.recovery_prompts else {}
         self.engine, self.servers = self._vllm_engines(cfg, records, gold)
-        # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind.
-        self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok))
+        # What each row's route rendered (its chat messages, context): what a teacher rendering its own input reads.
+        self.row_texts = {**self.ps.row_texts("train"), **self.ps.row_texts("eval")}
+        # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind;
+        # an aligned teacher (another tokenizer) wraps its checkpoint to read the student's text its own way.
+        aligned = {name: AlignedTeacher(name, self.pool, load_tokenizer(rec.model_uri, rec.trust_remote_code),
+                                        self.tok, self.eos)
+                   for name, rec in records.items() if rec.wrapper == "aligned"}
+        self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok), aligned)
+        self.digit_ids = digit_ids(self.tok)
         # A route with several teachers takes each prompt's off-policy sample from one of them, by its weight.
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
                                        opd.sample_temperature, verifiers=self.verifiers, eos=self.eos,
@@ -415,17 +437,22 @@ class MergeLoop:
         return base
 
     def teacher_accuracies(self, route: str, prompts_answers: tuple[list[str], list[str]]) -> dict[str, float]:
-        """Greedy accuracy of each teacher of ``route`` on ``prompts_answers`` (held-out prompts and answers)."""
-        return {name: evaluate_route(self.teachers[name].model, self.tok, self.verifiers[route], *prompts_answers,
-                                     self.caps[route]).accuracy for name in self.teachers_of[route]}
+        """Greedy accuracy of each teacher of ``route`` on ``prompts_answers`` (held-out prompts and answers), each
+        in its own terms (:func:`tasks.evaluation.evaluate.evaluate_teacher`: a teacher of another tokenizer with
+        its own template)."""
+        prompts, answers = prompts_answers
+        texts = [self.row_texts.get((route, p)) or RowText(route, p) for p in prompts]
+        return {name: evaluate_teacher(self.teachers[name], self.tok, self.verifiers[route], texts, answers,
+                                       self.caps[route]).accuracy for name in self.teachers_of[route]}
 
     def teacher_recoveries(self, route: str) -> dict[str, float]:
         """The recovery diagnostic (:meth:`recovery`) of each teacher of ``route``; empty when it has no trace to derail
         or ``opd.recovery_prompts`` is 0 (then no teacher is loaded for it)."""
         if not self.opd.recovery_prompts:
             return {}
-        return {name: v for name in self.teachers_of[route]
-                if (v := self.recovery(self.teachers[name].model, [route]).get(route)) is not None}
+        # A teacher that reads its own text (model None) is left out: the injected errors are student tokens.
+        return {name: v for name in self.teachers_of[route] if self.teachers[name].model is not None
+                and (v := self.recovery(self.teachers[name].model, [route]).get(route)) is not None}
 
     def recovery(self, model, routes: list[str] | None = None) -> dict[str, float]:
         """The recovery diagnostic (:func:`tasks.evaluation.evaluate.recovery_rate`) of ``model`` on the first
@@ -469,7 +496,7 @@ class MergeLoop:
         producer = BatchProducer(self.student, self.tok, self.sampler, self.offpolicy, self.caps, opd.batch_size,
                                  opd.sample_temperature, opd.divergence_temperature, needs_logprobs,
                                  opd.overlap_generation, self.engine, seed=opd.seed * 1009 + no,
-                                 verifiers=self.verifiers)
+                                 verifiers=self.verifiers, row_texts=self.row_texts)
         # How much of each teacher's distribution is asked for; a capped served teacher's routes learn its top K.
         objectives, served_k = served_plan(objectives, self.teacher_of, self.logprob_caps, list(self.teachers))
         stage_id = {"cold_start": 1, "on_policy": 2}[name]
@@ -479,7 +506,7 @@ class MergeLoop:
             self._resume_trainer(optimizer, scheduler, producer)
         bar = tqdm(range(start, steps), desc=f"merge {name}", mininterval=2.0, disable=not self.lead, initial=start,
                    total=steps)
-        batch, hidden, uses, rows, combined = None, {}, opd.updates_per_batch, None, {}
+        batch, hidden, uses, rows, combined, coverage = None, {}, opd.updates_per_batch, None, {}, {}
         try:
             for i in bar:
                 t0 = time.perf_counter()
@@ -491,7 +518,8 @@ class MergeLoop:
                         rows = rows_of(len(batch.routes))
                         groups = shard_groups(groups, rows)
                     hidden = score_with_teachers(self.teachers, self.pool.resident_first(groups), batch.rollout,
-                                                 served_k, self.state.teacher_costs)
+                                                 served_k, self.state.teacher_costs, self.tok, batch.texts)
+                    coverage = signal_coverage(hidden, batch.rollout, batch.routes, self.digit_ids)
                     if self.combinations:  # routes with several teachers: one combined score per row
                         hidden, combined = combine_scores(hidden, self.combinations, batch.routes, batch.rollout,
                                                           opd.chunk_size, len(self.tok))
@@ -533,6 +561,7 @@ class MergeLoop:
                               "rollout/generated": float(batch.generated)})
                     if batch.on_policy:  # combined routes: each teacher's NLL on the student's samples, select's shares
                         m.update(combined)
+                    m.update(coverage)  # teachers that read their own text: the share of tokens they gave a signal
                     # What generation cost, cumulative over the merge: the student's own rollouts, and the
                     # teachers' samples (off-policy batches; each prompt's completion is sampled once and cached).
                     key = "student_tokens" if batch.on_policy else "teacher_sampled_tokens"

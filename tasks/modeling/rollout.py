@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 from transformers import (
@@ -37,6 +38,16 @@ def position_ids_from_mask(attention_mask_B_T: torch.Tensor) -> torch.Tensor:
     return (attention_mask_B_T.long().cumsum(-1) - 1).clamp(min=0)
 
 
+class Span(NamedTuple):
+    """A run of one row's sequence positions ``[start, end)`` and where its tokens came from: ``prompt`` (the
+    route's rendering), ``student`` (sampled by the policy: the loss covers them) or ``external`` (inside the
+    response but written by something else: a tool's result, an environment's turn; no loss, no teacher signal)."""
+
+    start: int
+    end: int
+    source: Literal["prompt", "student", "external"]
+
+
 @dataclass
 class Rollout:
     sequences_B_T: torch.Tensor  # prompt (left-padded) + response tokens
@@ -44,14 +55,38 @@ class Rollout:
     response_mask_B_T: torch.Tensor  # 1 on response tokens up to and including the first EOS
     truncated_B: torch.Tensor  # True where the response hit the length cap without an EOS
     prompt_width: int
+    # 1 on the tokens the loss covers (the student's own); None: every response token (the response mask), as for
+    # a single-turn completion. A row with tokens from outside (a tool's result) keeps them out of this mask only.
+    loss_tokens_B_T: torch.Tensor | None = None
 
     @property
     def response_lengths_B(self) -> torch.Tensor:
         return self.response_mask_B_T.sum(-1)
 
     def loss_mask_B_T(self) -> torch.Tensor:
-        """Mask over hidden positions ``0..T-2`` whose *next* token is a response token (the positions that predict it)."""
-        return self.response_mask_B_T[:, 1:]
+        """Mask over hidden positions ``0..T-2`` whose *next* token is one the loss covers (the positions that predict
+        a student token): :attr:`loss_tokens_B_T`, by default every response token."""
+        tokens_B_T = self.response_mask_B_T if self.loss_tokens_B_T is None else self.loss_tokens_B_T
+        return tokens_B_T[:, 1:]
+
+    def response_span(self, row: int) -> tuple[int, int]:
+        """Where row ``row``'s response starts and ends in :attr:`sequences_B_T` (``[start, end)``)."""
+        return self.prompt_width, self.prompt_width + int(self.response_mask_B_T[row].sum())
+
+    def spans(self, row: int) -> list[Span]:
+        """Row ``row``'s real tokens as runs by where they came from (:class:`Span`), in order."""
+        P = self.prompt_width
+        first = int(self.attention_mask_B_T[row, :P].argmax()) if bool(self.attention_mask_B_T[row, :P].any()) else P
+        out = [Span(first, P, "prompt")] if first < P else []
+        loss_T = (self.response_mask_B_T if self.loss_tokens_B_T is None else self.loss_tokens_B_T)[row]
+        start, end = self.response_span(row)
+        for t in range(start, end):
+            source = "student" if bool(loss_T[t]) else "external"
+            if out and out[-1].source == source and out[-1].end == t:
+                out[-1] = out[-1]._replace(end=t + 1)
+            else:
+                out.append(Span(t, t + 1, source))
+        return out
 
 
 # The token id, or the ids, that end a response (any one of them does).

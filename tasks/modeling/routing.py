@@ -19,6 +19,8 @@ class TeacherRecord(Protocol):
     tokenizer_fingerprint: str
     trust_remote_code: bool
     endpoint: str
+    transport: str  # auto | checkpoint | engine | endpoint
+    wrapper: str  # plain | aligned (tasks/modeling/teacher.py: WRAPPERS)
 
 
 class Routing(Protocol):
@@ -53,5 +55,6 @@ def combining_refusal(router: Routing, routes: Iterable[str], teacher_backend: s
 
 def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
     """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags and the merge's key."""
-    payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint] for r in records)
+    payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint]
+                     + ([r.wrapper] if getattr(r, "wrapper", "plain") != "plain" else []) for r in records)
     return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]

@@ -17,13 +17,22 @@ merge's ``opd.teacher_backend``):
   batch asks (``logprobs``: -1 the whole vocabulary, ``k`` the top k; the actual token always), packed for
   :class:`tasks.modeling.engines.ServedHead`.
 
-Later kinds (an earlier checkpoint of the student, the student with privileged context, a model with another
-tokenizer) implement the same two methods.
+A teacher's kind is two things, both stored in its registry record: its *transport* (``checkpoint``, ``engine``,
+``endpoint``: how its numbers are computed) and its *wrapper* (:data:`WRAPPERS`): ``plain`` reads the student's
+tokens as they are; ``aligned`` (:class:`tasks.modeling.aligned.AlignedTeacher`) is a model of another tokenizer that
+renders each row through its own chat template from the row's :class:`tasks.specs.render.RowText` and gives a signal
+on the student's tokens with a mask of the positions it could read. Combined and extrapolated teachers wrap scores
+per route (the spec's ``combine``, ``opd.reward_scale``).
+
+Writing a teacher: implement :class:`Teacher`'s ``score`` (log-prob logits over the student's vocabulary at each
+position of ``batch.rows``, lazily through a head, and optionally ``signal_b_T``, the positions it has a signal for),
+``sample`` (its own completions of rows, returned in the student's tokens) and either ``model`` (a checkpoint that
+reads the student's tokens, evaluated as the student is) or ``answer`` (greedy texts in its own terms).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -33,9 +42,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tasks.modeling.engines import ALL_VOCAB, ServedHead, TeacherServer, pack_prompt_logprobs, real_tokens
 from tasks.modeling.rollout import Rollout, cap_responses, eos_ids, forward_hidden, generate
 from tasks.modeling.routing import TeacherRecord
+from tasks.specs.render import RowText
 
 Kind = Literal["checkpoint", "engine", "endpoint"]
 KINDS: tuple[Kind, ...] = ("checkpoint", "engine", "endpoint")
+Wrapper = Literal["plain", "aligned"]
+WRAPPERS: tuple[Wrapper, ...] = ("plain", "aligned")
 
 
 @dataclass(frozen=True)
@@ -47,15 +59,21 @@ class TeacherBatch:
     rollout: Rollout
     rows: list[int]
     logprobs: int = ALL_VOCAB
+    tok: PreTrainedTokenizerBase | None = None  # the student's tokenizer
+    texts: Sequence[RowText] | None = None  # per row of the rollout (all of them): what its route rendered
 
 
 class TeacherScore(NamedTuple):
     """A teacher's scores of ``rows``: ``head(features_b_T_F)`` are log-prob logits ``[b, T, V]`` (up to a constant per
-    position), position t predicting token t+1 of the row."""
+    position), position t predicting token t+1 of the row. ``signal_b_T`` (None: every position): 1 where the teacher
+    has a signal, 0 where it has none (the update masks those out of the loss). ``tokens``: the teacher's own tokens
+    it read (0: the rows' own, as a teacher of the student's tokenizer reads them)."""
 
     rows: list[int]
     features_b_T_F: torch.Tensor
     head: torch.nn.Module
+    signal_b_T: torch.Tensor | None = None
+    tokens: int = 0
 
 
 class Teacher(Protocol):
@@ -67,13 +85,15 @@ class Teacher(Protocol):
     def score(self, batch: TeacherBatch) -> TeacherScore:
         """The teacher's next-token log-probs on ``batch``'s rows, in one pass."""
 
-    def sample(self, tok: PreTrainedTokenizerBase, prompts: list[str], caps: list[int], temperature: float,
+    def sample(self, tok: PreTrainedTokenizerBase, rows: Sequence[RowText], caps: list[int], temperature: float,
                generator: torch.Generator | None = None) -> Rollout:
-        """One completion per prompt at ``temperature`` (each cut at its cap): the teacher's own samples."""
+        """One completion per row at ``temperature`` (each cut at its cap): the teacher's own samples, as a rollout
+        in the student's tokenizer ``tok`` over the rows' student prompts."""
 
     @property
-    def model(self) -> PreTrainedModel:
-        """The checkpoint behind the teacher (held-out evaluation, parity checks of served kinds)."""
+    def model(self) -> PreTrainedModel | None:
+        """The checkpoint behind the teacher when it reads the student's tokens as they are (held-out evaluation,
+        parity checks of served kinds); None for a teacher that reads its own text (it answers with ``answer``)."""
 
 
 class CheckpointTeacher:
@@ -100,10 +120,11 @@ class CheckpointTeacher:
         # The head, not the model: a pool may evict the model before the update reads these scores.
         return TeacherScore(list(batch.rows), hidden_b_T_H, model.get_output_embeddings())
 
-    def sample(self, tok: PreTrainedTokenizerBase, prompts: list[str], caps: list[int], temperature: float,
+    def sample(self, tok: PreTrainedTokenizerBase, rows: Sequence[RowText], caps: list[int], temperature: float,
                generator: torch.Generator | None = None) -> Rollout:
         model = self.model
-        rollout = generate(model, tok, prompts, max(caps), temperature=temperature, generator=generator)
+        rollout = generate(model, tok, [r.prompt for r in rows], max(caps), temperature=temperature,
+                           generator=generator)
         return cap_responses(rollout, caps, eos_ids(tok, model))
 
 
@@ -125,21 +146,33 @@ class ServedTeacher(CheckpointTeacher):
 
 
 def teacher_kind(record: TeacherRecord, backend: str) -> Kind:
-    """The kind a registered teacher is in a merge whose ``opd.teacher_backend`` is ``backend``: its checkpoint
-    (``hf``), else its ``endpoint`` when the record has one, else an in-process engine on its checkpoint."""
-    if backend == "hf":
+    """The transport a registered teacher has in a merge whose ``opd.teacher_backend`` is ``backend``: the record's
+    own ``transport`` when it names one (an aligned teacher is always its checkpoint), else its checkpoint (``hf``),
+    else its ``endpoint`` when the record has one, else an in-process engine on its checkpoint."""
+    transport = getattr(record, "transport", "auto")
+    if transport != "auto":
+        return transport
+    if backend == "hf" or getattr(record, "wrapper", "plain") == "aligned":
         return "checkpoint"
     return "endpoint" if record.endpoint else "engine"
 
 
 def make_teachers(kinds: Mapping[str, Kind], models: Mapping[str, PreTrainedModel],
-                  servers: Mapping[str, TeacherServer] | None = None, vocab_size: int = 0) -> dict[str, Teacher]:
-    """One teacher object per name of ``kinds`` (name -> kind); served kinds need ``servers`` and ``vocab_size``."""
+                  servers: Mapping[str, TeacherServer] | None = None, vocab_size: int = 0,
+                  aligned: Mapping[str, Teacher] | None = None) -> dict[str, Teacher]:
+    """One teacher object per name of ``kinds`` (name -> kind); served kinds need ``servers`` and ``vocab_size``.
+    ``aligned``: teachers already wrapped (name -> an :class:`tasks.modeling.aligned.AlignedTeacher`), taken as
+    they are."""
     out: dict[str, Teacher] = {}
     for name, kind in kinds.items():
         if kind not in KINDS:
             raise ValueError(f"teacher {name!r}: unknown kind {kind!r}; kinds: {list(KINDS)}")
-        if kind == "checkpoint":
+        if aligned and name in aligned:
+            if kind != "checkpoint":
+                raise ValueError(f"teacher {name!r} is aligned (another tokenizer) and needs its checkpoint; "
+                                 f"transport {kind!r} is not supported for it (expected transport checkpoint)")
+            out[name] = aligned[name]
+        elif kind == "checkpoint":
             out[name] = CheckpointTeacher(name, models)
         elif servers is None:
             raise ValueError(f"teacher {name!r} is of kind {kind!r} but no servers were given")

@@ -8,7 +8,8 @@ Built once and cached on its inputs (the spec's text, its data files, the tokeni
         tokenizer/    the tokenizer the prompts were rendered with
         prompts/      datasets.DatasetDict ``train`` / ``eval``: route, prompt (the rendered text a model sees),
                       answer (the verifier's reference), completion (the reference completion: the spec's
-                      completion column, else the answer), system, context
+                      completion column, else the answer), system, context, user (the row's own prompt before
+                      rendering: a teacher with another chat template renders it its own way)
         DONE
 
 Building checks everything a spec can get wrong before any model work, and raises one :class:`InputError` listing
@@ -30,16 +31,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.common.problems import InputError, Problem
 from tasks.specs.spec import RouteSpec, RouteSpecFile, load_route_rows, load_spec, parse_spec
 from tasks.specs.verifiers import Verifier, VerifierError
 
-PROMPT_SET_VERSION = 1
+if TYPE_CHECKING:
+    from tasks.specs.render import RowText
+
+PROMPT_SET_VERSION = 2  # 2: the ``user`` column (the row's own prompt, before rendering), for teachers' own renderings
 # A folder name build_prompt_set writes (<spec stem>-<12 hex>): the only registry provenance.data the preflight opens.
 PROMPT_SET_NAME_RE = re.compile(r"^\w[\w.-]*-[0-9a-f]{12}$")
-COLUMNS = ["route", "prompt", "answer", "completion", "system", "context"]
+COLUMNS = ["route", "prompt", "answer", "completion", "system", "context", "user"]
 # Rows of each route whose reference (completion, else answer) a verifier is tried on while the set is built.
 VERIFIER_PROBE_ROWS = 8
 # Characters a built chat tokenizer needs beyond the data's: the role names its template spells out.
@@ -189,6 +193,7 @@ def _write(tmp: Path, spec: RouteSpecFile, text: str, rows, rendered, tok, conte
             cols["completion"] += [c or a for c, a in zip(ds["completion"], ds["answer"])]
             cols["system"] += list(ds["system"])
             cols["context"] += list(ds["context"])
+            cols["user"] += [str(p) for p in ds["prompt"]]
         parts[split] = Dataset.from_dict(cols)
     DatasetDict(parts).save_to_disk(str(tmp / "prompts"))
     save_tokenizer(tok, tmp / "tokenizer")
@@ -252,6 +257,17 @@ class PromptSet:
 
     def train_sets(self) -> dict[str, tuple[list[str], list[str]]]:
         return self.sets("train")
+
+    def row_texts(self, split: str) -> dict[tuple[str, str], "RowText"]:
+        """(route, rendered prompt) -> what the route rendered for that row of ``split``
+        (:class:`tasks.specs.render.RowText`): what a teacher that renders its own input reads."""
+        from tasks.specs.render import row_texts
+
+        out = {}
+        for r, d in self.rows(split).items():
+            rows = [{"prompt": u, "system": s, "context": c} for u, s, c in zip(d["user"], d["system"], d["context"])]
+            out.update({(r, t.prompt): t for t in row_texts(self.route(r), rows, list(d["prompt"]))})
+        return out
 
     @cached_property
     def verifiers(self) -> dict[str, Verifier]:

@@ -11,6 +11,7 @@ context.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -32,6 +33,50 @@ def messages(route: RouteSpec, row: Mapping[str, Any]) -> list[dict[str, str]]:
     system = str(row.get("system") or route.render.system)
     return ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": str(row["prompt"])}]
+
+
+@dataclass(frozen=True)
+class RowText:
+    """What a route rendered for one row, so that a teacher can render its own input instead of reading the
+    student's: the route, the student's prompt text as rendered, the chat ``messages`` it came from (system first,
+    if any; None for a ``render.kind: format`` route, whose prompt text is the input for every model) and the row's
+    ``context`` column (privileged context the student never sees; '' none). Where the student's response starts and
+    ends in a rollout is the rollout's (:meth:`tasks.modeling.rollout.Rollout.response_span`)."""
+
+    route: str
+    prompt: str
+    messages: tuple[tuple[tuple[str, str], ...], ...] | None = None
+    context: str = ""
+
+    @classmethod
+    def of(cls, route: str, prompt: str, chat: Sequence[Mapping[str, str]] | None = None,
+           context: str = "") -> "RowText":
+        """From chat messages as ``apply_chat_template`` takes them (the inverse of :attr:`chat`)."""
+        return cls(route, prompt, None if chat is None else tuple(tuple(sorted(m.items())) for m in chat), context)
+
+    @property
+    def chat(self) -> list[dict[str, str]] | None:
+        """:attr:`messages` as ``apply_chat_template`` takes them (a list of role/content dicts)."""
+        return None if self.messages is None else [dict(m) for m in self.messages]
+
+    def render(self, tok: PreTrainedTokenizerBase) -> str:
+        """This row's prompt in ``tok``'s own terms: its chat template over :attr:`messages` (with the generation
+        prompt), or the prompt text itself for a format route. A chat row and a tokenizer without a chat template:
+        :class:`RenderError`."""
+        if self.messages is None:
+            return self.prompt
+        if not getattr(tok, "chat_template", None):
+            raise RenderError(f"route {self.route!r} renders chat messages, and tokenizer "
+                              f"{getattr(tok, 'name_or_path', '')!r} has no chat template to render them with")
+        return tok.apply_chat_template(self.chat, tokenize=False, add_generation_prompt=True)
+
+
+def row_texts(route: RouteSpec, rows: Sequence[Mapping[str, Any]] | Any, prompts: Sequence[str]) -> list[RowText]:
+    """A :class:`RowText` for each row of ``route`` (its rendered ``prompts`` beside), as :func:`render_prompts`
+    rendered them."""
+    chat = route.render.kind == "chat"
+    return [RowText.of(route.name, p, messages(route, r) if chat else None, str(r.get("context") or ""))
+            for r, p in zip(list(rows), prompts)]
 
 
 def render_prompts(route: RouteSpec, rows: Sequence[Mapping[str, Any]] | Any,

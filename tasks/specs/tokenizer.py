@@ -139,8 +139,9 @@ def compatibility_problems(student: PreTrainedTokenizerBase, teacher: PreTrained
                            messages: list[dict[str, Any]] | None = None) -> list[str]:
     """Everything that would make a teacher's log-probs meaningless on the student's tokens; [] when compatible: the
     vocabularies (named by their first differing ids), the special tokens, and with ``messages`` (a route's first
-    prompt as chat messages) the teacher's own chat template, when it carries one, rendering them as the student's
-    does (the teacher scores the student's rendering; one it was not tuned on is off its distribution)."""
+    prompt as chat messages: the route renders chat) the teacher's own chat template, which it must have, rendering
+    them as the student's does (the teacher scores the student's rendering; one it was not tuned on is off its
+    distribution)."""
     problems: list[str] = []
     sv, tv = student.get_vocab(), teacher.get_vocab()
     if sv != tv:
@@ -161,7 +162,11 @@ def compatibility_problems(student: PreTrainedTokenizerBase, teacher: PreTrained
     if s_extra != t_extra:
         problems.append(f"special tokens differ: student {s_extra} vs teacher {t_extra}")
     s_template, t_template = getattr(student, "chat_template", None), getattr(teacher, "chat_template", None)
-    if messages and t_template and t_template != s_template:
+    if messages and not t_template:
+        problems.append("the route renders chat messages and the teacher's tokenizer has no chat template (it would "
+                        "score prompts in a template it does not know); expected the student's chat template saved "
+                        "with the teacher")
+    elif messages and t_template != s_template:
         problems += chat_template_problems(student, teacher, messages)
     return problems
 

@@ -51,6 +51,7 @@ from tasks.config import MergeConfig, flatten
 from tasks.training.distill import Batch
 from tasks.objectives.losses import TokenInputs
 from tasks.modeling.rollout import Rollout
+from tasks.specs.render import RowText
 from tasks.common.paths import state_dir, write_atomic
 
 FORMAT = 1
@@ -226,12 +227,15 @@ def batch_state(batch: Batch | None) -> dict | None:
     return {"rollout": vars(batch.rollout), "routes": batch.routes, "answers": batch.answers,
             "on_policy": batch.on_policy, "version": batch.version, "rewards_B": batch.rewards_B,
             "tokens": None if batch.tokens is None else vars(batch.tokens), "generated": batch.generated,
-            "generated_tokens": batch.generated_tokens}
+            "generated_tokens": batch.generated_tokens,
+            "texts": [{"route": t.route, "prompt": t.prompt, "messages": t.chat, "context": t.context}
+                      for t in batch.texts]}
 
 
 def batch_from_state(state: dict | None) -> Batch | None:
     if state is None:
         return None
     tokens = None if state["tokens"] is None else TokenInputs(**state["tokens"])
+    texts = [RowText.of(t["route"], t["prompt"], t["messages"], t["context"]) for t in state.get("texts", [])]
     return Batch(Rollout(**state["rollout"]), state["routes"], state["answers"], state["on_policy"], state["version"],
-                 state["rewards_B"], tokens, state["generated"], state.get("generated_tokens", 0))
+                 state["rewards_B"], tokens, state["generated"], state.get("generated_tokens", 0), texts)

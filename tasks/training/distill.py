@@ -37,6 +37,7 @@ from tasks.modeling.rollout import (
 )
 from tasks.evaluation.evaluate import right
 from tasks.modeling.teacher import Teacher, TeacherBatch, TeacherScore
+from tasks.specs.render import RowText
 from tasks.specs.verifiers import Verifier
 
 OffPolicySource = Literal["teacher", "dataset"]
@@ -57,6 +58,7 @@ class Batch:
     tokens: TokenInputs | None = None
     generated: int = 0  # sequences generated for this batch (teacher-sample cache misses count too)
     generated_tokens: int = 0  # response tokens those sequences hold (what their generation cost)
+    texts: list[RowText] = field(default_factory=list)  # per row: what its route rendered (teachers read it)
 
 
 @dataclass
@@ -178,9 +180,11 @@ class OffPolicyData:
         return self.teacher_of[route]
 
     def batch(self, prompts: list[str], routes: list[str], answers: list[str], caps_B: list[int],
-              generator: torch.Generator | None = None) -> Batch:
+              generator: torch.Generator | None = None, texts: list[RowText] | None = None) -> Batch:
         """Off-policy completions of ``prompts``; teacher samples missing from the cache are drawn from ``generator``
-        when given, else from torch's global one."""
+        when given, else from torch's global one. ``texts``: each row's :class:`RowText` (default: the prompt text
+        alone), what a teacher samples from."""
+        texts = texts or plain_texts(prompts, routes)
         generated = generated_tokens = 0
         if self.source == "dataset":
             missing = [p for p in prompts if p not in self.gold]
@@ -189,29 +193,34 @@ class OffPolicyData:
             ids = self.tok([self.gold[p] for p in prompts], add_special_tokens=False)["input_ids"]
             responses = [x + [self.tok.eos_token_id] for x in ids]
         else:
-            generated, generated_tokens = self._fill(prompts, routes, caps_B, generator)
+            generated, generated_tokens = self._fill(texts, caps_B, generator)
             responses = [self.cache[self.teacher(p, r)][p] for p, r in zip(prompts, routes)]
         rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses, self.eos), caps_B, self.eos)
         rewards_B = verifier_rewards(self.tok, rollout, routes, answers, self.verifiers)
-        return Batch(rollout, routes, answers, False, -1, rewards_B, None, generated, generated_tokens)
+        return Batch(rollout, routes, answers, False, -1, rewards_B, None, generated, generated_tokens, list(texts))
 
-    def _fill(self, prompts: list[str], routes: list[str], caps_B: list[int],
-              generator: torch.Generator | None) -> tuple[int, int]:
-        """Sample the missing (teacher, prompt) completions, one generate call per teacher. Returns how many, and
+    def _fill(self, texts: list[RowText], caps_B: list[int], generator: torch.Generator | None) -> tuple[int, int]:
+        """Sample the missing (teacher, prompt) completions, one sample call per teacher. Returns how many, and
         their response tokens."""
-        todo: dict[str, dict[str, int]] = {}
+        todo: dict[str, dict[str, tuple[RowText, int]]] = {}
         tokens = 0
-        for p, r, cap in zip(prompts, routes, caps_B):
-            name = self.teacher(p, r)
-            if p not in self.cache[name]:
-                todo.setdefault(name, {})[p] = cap
-        for name, caps in todo.items():
-            plist = list(caps)
-            ro = self.teachers[name].sample(self.tok, plist, [caps[p] for p in plist], self.sample_temperature,
-                                            generator)
+        for t, cap in zip(texts, caps_B):
+            name = self.teacher(t.prompt, t.route)
+            if t.prompt not in self.cache[name]:
+                todo.setdefault(name, {})[t.prompt] = (t, cap)
+        for name, want in todo.items():
+            plist = list(want)
+            ro = self.teachers[name].sample(self.tok, [want[p][0] for p in plist], [want[p][1] for p in plist],
+                                            self.sample_temperature, generator)
             self.cache[name].update(zip(plist, response_ids(ro)))
             tokens += int(ro.response_lengths_B.sum())
         return sum(len(c) for c in todo.values()), tokens
+
+
+def plain_texts(prompts: list[str], routes: list[str]) -> list[RowText]:
+    """Rows known by their prompt text alone (no chat messages): what a caller without a prompt set's row texts
+    gives its teachers."""
+    return [RowText(r, p) for p, r in zip(prompts, routes)]
 
 
 class PromptSampler:
@@ -267,9 +276,10 @@ class BatchProducer:
         seed: int = 0,
         *,
         verifiers: Mapping[str, Verifier],
+        row_texts: Mapping[tuple[str, str], RowText] | None = None,
     ):
         self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
-        self.verifiers = verifiers
+        self.verifiers, self.row_texts = verifiers, row_texts or {}
         self.batch_size, self.with_logprobs, self.overlap, self.engine = batch_size, with_logprobs, overlap, engine
         self.temps = (sample_temperature, divergence_temperature)
         self.rollout_model = None
@@ -292,11 +302,14 @@ class BatchProducer:
     def _make(self, model: PreTrainedModel, on_policy: bool, version: int, drawn) -> Batch:
         prompts, routes, answers = drawn
         caps_B = [self.caps[r] for r in routes]
+        texts = [self.row_texts.get((r, p)) or RowText(r, p) for p, r in zip(prompts, routes)]
         if on_policy:
-            return sample_batch(model, self.tok, prompts, routes, answers, caps_B, version, *self.temps,
-                                with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator,
-                                verifiers=self.verifiers)
-        return self.offpolicy.batch(prompts, routes, answers, caps_B, self.generator)
+            batch = sample_batch(model, self.tok, prompts, routes, answers, caps_B, version, *self.temps,
+                                 with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator,
+                                 verifiers=self.verifiers)
+            batch.texts = texts
+            return batch
+        return self.offpolicy.batch(prompts, routes, answers, caps_B, self.generator, texts)
 
     def next(self, lmbda: float, version: int) -> Batch:
         """The next batch; ``version`` is the number of optimizer steps the student has taken so far."""
@@ -373,6 +386,8 @@ def score_with_teachers(
     rollout: Rollout,
     logprobs: Mapping[str, int] | None = None,
     costs: dict[str, list[float]] | None = None,
+    tok: PreTrainedTokenizerBase | None = None,
+    texts: list[RowText] | None = None,
 ) -> TeacherScores:
     """Each teacher's :meth:`tasks.modeling.teacher.Teacher.score` of its rows of ``rollout`` (the student's exact sequences),
     one call per teacher (``groups``: teacher -> row indices, as :meth:`teachers.router.Router.group` makes them; a
@@ -380,15 +395,45 @@ def score_with_teachers(
     :func:`tasks.modeling.engines.served_logprobs_k`) says how much of the distribution its rows' objectives read; default the
     whole vocabulary.
 
-    ``costs`` (teacher -> [tokens scored, seconds], added to) accounts what each teacher cost, loading included."""
+    ``costs`` (teacher -> [tokens scored, seconds], added to) accounts what each teacher cost, loading included: the
+    tokens it read, in its own tokenizer when it reads its own text. ``tok`` and ``texts`` (the student's tokenizer,
+    each row's :class:`RowText`) are what a teacher that renders its own input reads."""
     out = {}
     for name, rows in groups.items():
         t0 = time.perf_counter()
-        out[name] = teachers[name].score(TeacherBatch(rollout, rows, (logprobs or {}).get(name, ALL_VOCAB)))
+        out[name] = score = teachers[name].score(
+            TeacherBatch(rollout, rows, (logprobs or {}).get(name, ALL_VOCAB), tok, texts))
         if costs is not None:
             cost = costs.setdefault(name, [0.0, 0.0])
-            cost[0] += float(rollout.attention_mask_B_T[torch.tensor(rows)].sum())
+            cost[0] += float(score.tokens or rollout.attention_mask_B_T[torch.tensor(rows)].sum())
             cost[1] += time.perf_counter() - t0
+    return out
+
+
+def signal_coverage(scores: TeacherScores, rollout: Rollout, routes: list[str],
+                    digit_ids: list[int] | None = None) -> dict[str, float]:
+    """For teachers that mark where they have a signal (``signal_b_T``: a teacher of another tokenizer), the share
+    of the loss tokens of each route that got one: ``teacher_signal/<route>``, and over the tokens holding a digit
+    (``digit_ids``) ``teacher_signal_digits/<route>``. Routes whose teachers score every token are left out."""
+    mask_B_T, targets_B_T = rollout.loss_mask_B_T(), rollout.sequences_B_T[:, 1:]
+    digits = torch.tensor(digit_ids or [], dtype=targets_B_T.dtype)
+    sums: dict[str, list[float]] = {}
+    for rows, _, _, signal_b_T, _ in (TeacherScore(*score) for score in scores.values()):
+        if signal_b_T is None:
+            continue
+        idx = torch.tensor(rows)
+        m_b_T, got_b_T = mask_B_T[idx].float(), signal_b_T[:, :-1].cpu().float()
+        d_b_T = torch.isin(targets_B_T[idx], digits).float() * m_b_T
+        for k, row in enumerate(rows):
+            acc = sums.setdefault(routes[row], [0.0, 0.0, 0.0, 0.0])
+            for j, v in enumerate((m_b_T[k].sum(), (m_b_T[k] * got_b_T[k]).sum(), d_b_T[k].sum(),
+                                   (d_b_T[k] * got_b_T[k]).sum())):
+                acc[j] += float(v)
+    out = {}
+    for r, (n, got, nd, gotd) in sums.items():
+        out[f"teacher_signal/{r}"] = got / n if n else 0.0
+        if nd:
+            out[f"teacher_signal_digits/{r}"] = gotd / nd
     return out
 
 
@@ -464,11 +509,13 @@ def extrapolate_scores(
         ref_B_T_H = forward_hidden(reference, rollout.sequences_B_T, rollout.attention_mask_B_T)
     ref_head = reference.get_output_embeddings()
     out = {}
-    for name, (rows, hidden_b_T_Ht, head) in scores.items():
+    for name, score in scores.items():
+        rows, hidden_b_T_Ht, head, signal_b_T, tokens = TeacherScore(*score)
         # Side by side in fp32 on the teacher's device: the head casts each part back (losses.head_input).
         ref_b_T_Hr = ref_B_T_H[torch.tensor(rows, device=ref_B_T_H.device)].to(hidden_b_T_Ht.device, torch.float32)
         out[name] = TeacherScore(rows, torch.cat([hidden_b_T_Ht.float(), ref_b_T_Hr], dim=-1),
-                                 ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale, vocab_size))
+                                 ExtrapolatedHead(head, ref_head, hidden_b_T_Ht.shape[-1], scale, vocab_size),
+                                 signal_b_T, tokens)
     if costs is not None:
         cost = costs.setdefault("reference", [0.0, 0.0])
         cost[0] += float(rollout.attention_mask_B_T.sum())
@@ -535,7 +582,8 @@ def update_step(
     stats = StepStats(loss=0.0, tokens=total_tokens)
     # In teacher-name order, whatever order they scored in (the pool loads resident ones first): the loss sums the
     # same way every run, so a resumed merge stays bit-identical.
-    for name, (rows, hidden_b_T_H, teacher_head) in sorted(teacher_hidden.items()):
+    for name, score in sorted(teacher_hidden.items()):
+        rows, hidden_b_T_H, teacher_head, signal_b_T, _ = TeacherScore(*score)  # (a bare 3-tuple will do)
         by_objective: dict[Objective, list[int]] = {}
         for j, row in enumerate(rows):
             by_objective.setdefault(objectives[routes[row]], []).append(j)
@@ -553,7 +601,7 @@ def update_step(
                     hidden_b_T_H[torch.tensor(js), :-1],
                     student.get_output_embeddings(),
                     teacher_head,
-                    mask_B_T[idx],
+                    mask_B_T[idx] if signal_b_T is None else mask_B_T[idx] * signal_b_T[js, :-1].to(mask_B_T),
                     obj,
                     tokens=tokens,
                     seq_adv_B=None if seq_adv_B is None or tokens is None else seq_adv_B[idx],
