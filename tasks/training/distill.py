@@ -412,17 +412,16 @@ def score_with_teachers(
 
 def signal_coverage(scores: TeacherScores, rollout: Rollout, routes: list[str],
                     digit_ids: list[int] | None = None) -> dict[str, float]:
-    """For teachers that mark where they have a signal (``signal_b_T``: a teacher of another tokenizer), the share
-    of the loss tokens of each route that got one: ``teacher_signal/<route>``, and over the tokens holding a digit
-    (``digit_ids``) ``teacher_signal_digits/<route>``. Routes whose teachers score every token are left out."""
+    """The share of each route's loss tokens that got a teacher signal: ``teacher_signal/<route>`` (1 for a teacher
+    that scores every token, ``signal_b_T`` None; less for a teacher of another tokenizer where it could not align),
+    and over the tokens holding a digit (``digit_ids``) ``teacher_signal_digits/<route>``."""
     mask_B_T, targets_B_T = rollout.loss_mask_B_T(), rollout.sequences_B_T[:, 1:]
     digits = torch.tensor(digit_ids or [], dtype=targets_B_T.dtype)
     sums: dict[str, list[float]] = {}
     for rows, _, _, signal_b_T, _ in (TeacherScore(*score) for score in scores.values()):
-        if signal_b_T is None:
-            continue
         idx = torch.tensor(rows)
-        m_b_T, got_b_T = mask_B_T[idx].float(), signal_b_T[:, :-1].cpu().float()
+        m_b_T = mask_B_T[idx].float()
+        got_b_T = torch.ones_like(m_b_T) if signal_b_T is None else signal_b_T[:, :-1].cpu().float()
         d_b_T = torch.isin(targets_B_T[idx], digits).float() * m_b_T
         for k, row in enumerate(rows):
             acc = sums.setdefault(routes[row], [0.0, 0.0, 0.0, 0.0])
