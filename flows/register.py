@@ -18,6 +18,7 @@ from tasks.config import SpecInput, _Config
 from tasks.common.log import say
 from tasks.common.paths import world_dir
 from tasks.tracking.runs import publish_teacher, teacher_model_name
+from tasks.specs.render import route_messages
 from tasks.specs.spec import check_route_name
 from teachers.registry import Provenance, TeacherRegistry
 
@@ -56,16 +57,6 @@ class RegisterConfig(_Config):
             if self.route not in routes:
                 raise ValueError(f"route {self.route!r} is not a route of {spec_label(self.spec)}; its routes: {routes}")
         return self
-
-
-def route_messages(spec: SpecInput, route: str) -> list[dict[str, str]] | None:
-    """A chat route's messages in the shape its rows render (its system prompt, then a user turn), for the chat
-    template checks at registration; None for a route that renders a format string."""
-    from tasks.specs.render import messages
-    from tasks.specs.spec import read_spec
-
-    spec_route = read_spec(spec).route(route)
-    return messages(spec_route, {"prompt": "1 + 1"}) if spec_route.render.kind == "chat" else None
 
 
 @flow(name="register-teacher", flow_run_name="register-teacher-{cfg.name}")

@@ -413,7 +413,7 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts:
     if ck.tokenizer is not None:
         own = getattr(ck.tokenizer, "chat_template", None)
         if aligned:  # another tokenizer and template: it renders its own input, so it must be able to
-            from teachers.registry import aligned_problems
+            from tasks.modeling.alignment import aligned_problems
 
             messages = first_prompt() if first_prompt is not None else None
             problems += [Problem(rec.model_uri, f"{name}.model_uri (tokenizer)", p)

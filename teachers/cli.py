@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--route", required=True, help="route served: a route name of the spec (e.g. rev-high)")
     reg.add_argument("--model_uri", required=True, help="checkpoint folder or hub id (HF config + tokenizer)")
     reg.add_argument("--student_tokenizer", default=None, help="path or hub id (default: <state dir>/world/tokenizer)")
+    reg.add_argument("--spec", default="", help="route spec file the route must be one of; on a chat route the "
+                     "teacher's chat template is checked against the route's prompt (empty = not checked)")
     reg.add_argument("--eval_score", type=float, default=None, help="accuracy on its route, in [0, 1]")
     reg.add_argument("--replace", action="store_true", help="overwrite a teacher of the same name")
     reg.add_argument("--wrapper", choices=["plain", "aligned"], default="plain",
@@ -84,6 +86,21 @@ def _register_input(args: argparse.Namespace) -> str:
     return args.student_tokenizer or str(world_dir() / "tokenizer")
 
 
+def _route_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
+    """The chat messages of ``--route`` in ``--spec`` (None without a spec, or for a format route); a route that is
+    not in the spec is refused naming its routes."""
+    if not args.spec:
+        return None
+    from tasks.specs.render import route_messages
+    from tasks.specs.spec import read_spec
+
+    routes = [r.name for r in read_spec(args.spec).routes]
+    if args.route not in routes:
+        raise InputError([Problem(COMMAND_LINE, "route", f"{args.route!r} is not a route of {args.spec}; its routes: "
+                                  f"{routes}")], COMMAND_LINE)
+    return route_messages(args.spec, args.route)
+
+
 def run(args: argparse.Namespace) -> None:
     registry = TeacherRegistry(args.registry)
     if args.command == "register":
@@ -99,6 +116,7 @@ def run(args: argparse.Namespace) -> None:
             endpoint=args.endpoint,
             parity_tol=args.parity_tol,
             wrapper=args.wrapper,
+            messages=_route_messages(args),
         )
         print(f"registered {record.name} (route {record.route}, tokenizer {record.tokenizer_fingerprint}) "
               f"in {registry.path}")

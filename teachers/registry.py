@@ -268,6 +268,7 @@ class TeacherRegistry:
         """
         # Imported here so that list/show/remove (and the CLI) do not pay for importing transformers.
         from tasks.modeling.models import model_config
+        from tasks.modeling.alignment import aligned_problems
         from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
 
         uri = str(model_uri)
@@ -310,8 +311,11 @@ class TeacherRegistry:
         elif teacher_tok is not None:
             same = compatibility_problems(ref_tok, teacher_tok, messages)
             if same and ref_tok.get_vocab() != teacher_tok.get_vocab():
-                same[-1] += ("; a teacher of another tokenizer can teach as an aligned teacher (register it with "
-                             "--wrapper aligned)")
+                # Another family's tokenizer: how it can teach comes first, the differences after.
+                problems.append(
+                    f"its tokenizer is not the student's ({len(teacher_tok)} tokens against {len(ref_tok)}) and a "
+                    "plain teacher scores the student's exact tokens; a teacher of another tokenizer teaches through "
+                    "its own tokenizer and chat template: register it with --wrapper aligned")
             problems += same
             vocab_size = getattr(config, "vocab_size", None)
             if isinstance(vocab_size, int) and vocab_size < len(ref_tok):
@@ -410,22 +414,6 @@ class TeacherRegistry:
                 yield
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
-def aligned_problems(teacher_tok: PreTrainedTokenizerBase, messages: list[dict[str, str]] | None) -> list[str]:
-    """What keeps a tokenizer from serving an aligned teacher: no fast tokenizer (its token bytes are read from
-    tokenizer.json), or no chat template on a route that renders chat (``messages`` given)."""
-    from tasks.modeling.alignment import token_bytes
-
-    problems = []
-    try:
-        token_bytes(teacher_tok)
-    except ValueError as e:
-        problems.append(str(e))
-    if messages and not getattr(teacher_tok, "chat_template", None):
-        problems.append("the route renders chat messages and the teacher's tokenizer has no chat template to render "
-                        "them in its own terms; expected a tokenizer with a chat template")
-    return problems
 
 
 def _first_line(e: BaseException) -> str:

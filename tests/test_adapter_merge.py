@@ -103,7 +103,7 @@ def test_an_adapter_folder_registers_passes_the_preflight_and_teaches_as_its_mer
     assert rec.tokenizer_fingerprint == tokenizer_fingerprint(load_tokenizer(base_dir))
     ck = check_checkpoint(str(adapter), "teacher 'adapter-teacher'.model_uri")
     assert ck.problems == [] and ck.config.model_type == "llama"
-    teacher = _load_teacher(rec, rec.tokenizer_fingerprint)
+    teacher = _load_teacher(rec, load_tokenizer(base_dir))
     # Merged into its base on loading (one plain forward per score), not carried as LoRA layers beside it.
     assert not [n for n, _ in teacher.named_modules() if "lora" in n]
     ids_B_T = torch.tensor([[1, 504, 3299, 28, 2, 30]])

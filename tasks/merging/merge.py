@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from tasks.common.log import Progress, say
 from tasks.training.checkpoint import MergeCheckpoints
@@ -72,10 +73,10 @@ from tasks.specs.prompt_set import load_prompt_set
 from tasks.training.launch import job_dir, launch
 from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups, shard_student,
                                     sum_stats)
-from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
+from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
 from tasks.modeling.routing import Routing, TeacherRecord, combining_refusal, registry_fingerprint
 from tasks.modeling.aligned import AlignedTeacher
-from tasks.modeling.alignment import digit_ids
+from tasks.modeling.alignment import aligned_problems, digit_ids
 from tasks.modeling.teacher import make_teachers, teacher_kind
 from tasks.specs.render import RowText
 from tasks.modeling.teacher_pool import TeacherPool, host_parking
@@ -116,11 +117,15 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
     return m
 
 
-def _load_teacher(rec: TeacherRecord, student_fp: str, device: str = "auto", dtype: str = "fp32") -> torch.nn.Module:
+def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, device: str = "auto", dtype: str = "fp32",
+                  messages: list[dict[str, str]] | None = None) -> torch.nn.Module:
     """A teacher's checkpoint, frozen, on ``device`` in ``dtype`` (the merge's ``opd.teacher_device`` and
     ``opd.teacher_dtype``), once its tokenizer is checked (before any weight is read): the student's for a plain
-    teacher, the one it was registered with for an aligned one."""
-    fp = tokenizer_fingerprint(load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code))
+    teacher, the one it was registered with for an aligned one; with ``messages`` (a chat route it serves, its first
+    row's messages) also its chat template: the student's rendering for a plain teacher, one at all for an aligned
+    one (registration checked the same; the checkpoint may have changed since)."""
+    teacher_tok = load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code)
+    fp, student_fp = tokenizer_fingerprint(teacher_tok), tokenizer_fingerprint(student_tok)
     if rec.wrapper == "aligned" and fp != rec.tokenizer_fingerprint:
         raise ValueError(f"aligned teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, registered with "
                          f"{rec.tokenizer_fingerprint}: the checkpoint changed since; re-register it")
@@ -130,6 +135,11 @@ def _load_teacher(rec: TeacherRecord, student_fp: str, device: str = "auto", dty
             "OPD needs the teacher to score the student's exact tokens (a teacher of another tokenizer teaches as "
             "an aligned teacher: register it with --wrapper aligned)"
         )
+    if messages:
+        problems = (compatibility_problems(student_tok, teacher_tok, messages) if rec.wrapper != "aligned"
+                    else aligned_problems(teacher_tok, messages))
+        if problems:
+            raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
     model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code), device, dtype)
     model.requires_grad_(False)
     return model.eval()
@@ -257,10 +267,19 @@ class MergeLoop:
         if opd.nproc > 1:
             shard_student(self.student)
         records = {rec.name: rec for rec in router.teachers()}
+        # What each row's route rendered (its chat messages, context): what a teacher rendering its own input reads.
+        self.row_texts = {**self.ps.row_texts("train"), **self.ps.row_texts("eval")}
         # The teachers' checkpoints, loaded on first use (at most max_resident_teachers on their device at once; on a
         # GPU the evicted ones wait in host memory with teacher_offload 'cpu').
-        self.pool = TeacherPool(list(records), lambda name: _load_teacher(records[name], student_fp, opd.teacher_device,
-                                                                opd.teacher_dtype),
+        # Each teacher's chat template is checked at load on the first chat route it serves (None: format routes).
+        first_chat = {}
+        for r, chat in ((t.route, t.chat) for t in self.row_texts.values()):
+            first_chat.setdefault(r, chat)
+        served = {name: next((first_chat.get(r) for r in self.routes if name in
+                              [t.name for t in router.teachers_for(r)] and first_chat.get(r)), None)
+                  for name in records}
+        self.pool = TeacherPool(list(records), lambda name: _load_teacher(records[name], self.tok, opd.teacher_device,
+                                                                opd.teacher_dtype, served[name]),
                                 opd.max_resident_teachers,
                                 **host_parking(resolve_device(opd.teacher_device), opd.teacher_offload))
         self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
@@ -300,8 +319,6 @@ class MergeLoop:
         self.eval_completions = {r: list(d["completion"][:opd.recovery_prompts])
                                  for r, d in self.ps.rows("eval").items()} if opd.recovery_prompts else {}
         self.engine, self.servers = self._vllm_engines(cfg, records, gold)
-        # What each row's route rendered (its chat messages, context): what a teacher rendering its own input reads.
-        self.row_texts = {**self.ps.row_texts("train"), **self.ps.row_texts("eval")}
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind;
         # an aligned teacher (another tokenizer) wraps its checkpoint to read the student's text its own way.
         aligned = {name: AlignedTeacher(name, self.pool, load_tokenizer(rec.model_uri, rec.trust_remote_code),

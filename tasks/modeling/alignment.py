@@ -216,3 +216,17 @@ def digit_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     """The ids of ``tok`` whose text holds a digit (the tokens the X-Token trap is about: a digit-splitting tokenizer
     under one with multi-digit numerals). Digits are reported apart in the aligned fraction."""
     return [i for i, b in enumerate(token_bytes(tok)) if b and any(48 <= c <= 57 for c in b)]
+
+
+def aligned_problems(teacher_tok: PreTrainedTokenizerBase, messages: list[dict[str, str]] | None) -> list[str]:
+    """What keeps a tokenizer from serving an aligned teacher: no fast tokenizer (its token bytes are read from
+    tokenizer.json), or no chat template on a route that renders chat (``messages`` given)."""
+    problems = []
+    try:
+        token_bytes(teacher_tok)
+    except ValueError as e:
+        problems.append(str(e))
+    if messages and not getattr(teacher_tok, "chat_template", None):
+        problems.append("the route renders chat messages and the teacher's tokenizer has no chat template to render "
+                        "them in its own terms; expected a tokenizer with a chat template")
+    return problems

