@@ -58,6 +58,23 @@ def test_the_shared_vocabulary_maps_equal_bytes_and_each_teacher_token_once(toks
     assert m[student.eos_token_id] == -1  # specials are the caller's to map
 
 
+def test_a_text_several_teacher_ids_stand_for_maps_onto_the_one_the_teacher_writes(toks):
+    from tasks.modeling.alignment import canonical_ids, same_bytes
+
+    student, teacher = toks
+    t = token_bytes(teacher)
+    groups = same_bytes(t)
+    piece, byte = teacher.convert_tokens_to_ids("7"), teacher.convert_tokens_to_ids("<0x37>")
+    assert sorted(groups[b"7"]) == sorted([piece, byte])
+    # Whatever the id order (Gemma puts its byte-fallback tokens first), the piece the tokenizer writes wins.
+    assert canonical_ids(teacher, {b"7": [byte, piece]}) == {b"7": piece}
+    reversed_table = list(t)
+    m = vocab_map(token_bytes(student), reversed_table, canonical_ids(teacher, groups))
+    assert m[student.convert_tokens_to_ids("7")] == piece
+    assert all(teacher(b.decode(), add_special_tokens=False)["input_ids"] == [c]
+               for b, c in canonical_ids(teacher, groups).items() if b.isascii() and b.isalnum())
+
+
 def test_alignment_of_a_digit_splitting_student_under_multi_digit_teacher_tokens(toks):
     student, teacher = toks
     s, t = token_bytes(student), token_bytes(teacher)
@@ -243,17 +260,24 @@ def test_full_distributions_sit_on_teacher_boundaries_over_the_shared_vocabulary
         own = F.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
     end_id = teacher_tok.convert_tokens_to_ids("<end_of_turn>")
     assert float(logp_T_V[t, student.eos_token_id]) == pytest.approx(float(own[end_id]), abs=1e-4)
+    def text_mass(dist, piece: str) -> float:  # the piece and its byte-fallback twin: one text, two teacher ids
+        byte = teacher_tok.convert_tokens_to_ids(f"<0x{ord(piece):02X}>")
+        return float(torch.logaddexp(dist[teacher_tok.convert_tokens_to_ids(piece)], dist[byte]))
+
     one = student.convert_tokens_to_ids("1")
-    assert float(logp_T_V[t, one]) == pytest.approx(float(own[teacher_tok.convert_tokens_to_ids("1")]), abs=1e-4)
+    assert float(logp_T_V[t, one]) == pytest.approx(text_mass(own, "1"), abs=1e-4)
     # Before the student's '2' (inside the student's numeral, on the teacher's boundary after 'The answer is 4'):
     # the teacher's distribution after its first token, the student's '2' read as the teacher's '2'.
     with torch.no_grad():
         after_first = F.log_softmax(model(torch.tensor([ids[:len(ids) - 1]])).logits[0, -1].float(), -1)
     two = student.convert_tokens_to_ids("2")
-    assert float(logp_T_V[P - 1 + 5, two]) == pytest.approx(float(after_first[teacher_tok.convert_tokens_to_ids("2")]),
-                                                            abs=1e-4)
+    assert float(logp_T_V[P - 1 + 5, two]) == pytest.approx(text_mass(after_first, "2"), abs=1e-4)
     unshared = (aligned.student_map < 0).nonzero().flatten()
-    rest = 1 - float(own[aligned.student_map[aligned.student_map >= 0]].exp().sum())
+    table = token_bytes(teacher_tok)
+    mapped = aligned.student_map[aligned.student_map >= 0].tolist()
+    texts = {table[i] for i in mapped} - {None}
+    covered = [v for v, b in enumerate(table) if b in texts] + [i for i in mapped if table[i] is None]
+    rest = 1 - float(own[covered].exp().sum())
     assert float(logp_T_V[t, unshared].exp().sum()) == pytest.approx(rest, abs=1e-4)
 
 

