@@ -93,7 +93,7 @@ def merged(prefect_server, project):
     cfg = pipeline_config("real", spec=str(project["spec"]), base_model=str(project["base"]),
                           experiment="aligned-merge", min_accuracy=0.0)
     mcfg = cfg.merge(str(project["base"]), ["other-greet", "plain-echo"], opd={
-        "steps": 60, "batch_size": 16, "lr": 3e-2, "warmup_steps": 2, "eval_every": 1000, "checkpoint_every": 0,
+        "steps": 120, "batch_size": 16, "lr": 3e-2, "warmup_steps": 2, "eval_every": 1000, "checkpoint_every": 0,
         "cold_start_steps": 0, "gate_threshold": 0.0, "recovery_prompts": 0})
     return str(plain_refusal.value), registry.get("other-greet"), merge(mcfg)
 
@@ -129,4 +129,4 @@ def test_the_aligned_fraction_and_the_teachers_own_tokens_are_logged_per_route(m
     assert 0.0 < metrics["teacher_signal/greet"] <= 1.0
     assert metrics["teacher_signal/echo"] == 1.0
     history = [m.value for m in client.get_metric_history(out["run_id"], "teacher_signal/greet")]
-    assert len(history) == 60 and history[-1] >= 0.9  # 'hello' then the end of turn: both on boundaries
+    assert len(history) == 120 and history[-1] >= 0.9  # 'hello' then the end of turn: both on boundaries
