@@ -114,7 +114,7 @@ def test_served_teacher_gives_the_same_objective_as_the_local_forward(tok, ckpts
     hs_B_T_H = forward_hidden(student, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
     tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_B_T, logq_B_T) if obj.policy_gradient else None
     values = []
-    for _, hidden, head in (local, remote):
+    for _, hidden, head, *_ in (local, remote):
         res = chunked_objective(hs_B_T_H, hidden[:, :-1], student.get_output_embeddings(), head, mask_B_T, obj,
                                 tokens=tokens, chunk_size=5)
         values.append(res.loss_sum_B)
@@ -242,7 +242,7 @@ def test_a_capped_endpoint_is_learnt_from_its_top_k_with_a_tail_bucket_exactly(t
     hs_B_T_H = forward_hidden(student, rollout.sequences_B_T, rollout.attention_mask_B_T)[:, :-1]
     values = [chunked_objective(hs_B_T_H, hidden[:, :-1], student.get_output_embeddings(), head, mask_B_T, o,
                                 chunk_size=5).loss_sum_B
-              for (_, hidden, head), o in ((local, obj), (remote, obj), (remote, Objective()), (local, Objective()))]
+              for (_, hidden, head, *_), o in ((local, obj), (remote, obj), (remote, Objective()), (local, Objective()))]
     # Served top 5 == the checkpoint's top-5 tail divergence; the full divergence on a top-5 answer is not the real one.
     assert torch.allclose(values[0], values[1], atol=1e-4), values[:2]
     assert (values[2] - values[3]).abs().max() > 1e-3
