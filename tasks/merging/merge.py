@@ -46,6 +46,7 @@ from tasks.training.distill import (
     extrapolate_scores,
     score_with_teachers,
     signal_coverage,
+    texts_of,
     update_step,
 )
 from tasks.evaluation.evaluate import (
@@ -78,7 +79,6 @@ from tasks.modeling.routing import Routing, TeacherRecord, combining_refusal, re
 from tasks.modeling.aligned import AlignedTeacher
 from tasks.modeling.alignment import aligned_problems, digit_ids
 from tasks.modeling.teacher import make_teachers, teacher_kind
-from tasks.specs.render import RowText
 from tasks.modeling.teacher_pool import TeacherPool, host_parking
 from tasks.modeling.device import (cpu_threads, place_frozen, place_trained, resolve_backend, resolve_device,
                                    torch_threads)
@@ -118,14 +118,15 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
 
 
 def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, device: str = "auto", dtype: str = "fp32",
-                  messages: list[dict[str, str]] | None = None) -> torch.nn.Module:
+                  messages: list[dict[str, str]] | None = None, student_fp: str | None = None) -> torch.nn.Module:
     """A teacher's checkpoint, frozen, on ``device`` in ``dtype`` (the merge's ``opd.teacher_device`` and
     ``opd.teacher_dtype``), once its tokenizer is checked (before any weight is read): the student's for a plain
     teacher, the one it was registered with for an aligned one; with ``messages`` (a chat route it serves, its first
     row's messages) also its chat template: the student's rendering for a plain teacher, one at all for an aligned
-    one (registration checked the same; the checkpoint may have changed since)."""
+    one (registration checked the same; the checkpoint may have changed since). ``student_fp``: the student
+    tokenizer's fingerprint, when the caller has it (the merge computes it once, not at every reload)."""
     teacher_tok = load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code)
-    fp, student_fp = tokenizer_fingerprint(teacher_tok), tokenizer_fingerprint(student_tok)
+    fp, student_fp = tokenizer_fingerprint(teacher_tok), student_fp or tokenizer_fingerprint(student_tok)
     if rec.wrapper == "aligned" and fp != rec.tokenizer_fingerprint:
         raise ValueError(f"aligned teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, registered with "
                          f"{rec.tokenizer_fingerprint}: the checkpoint changed since; re-register it")
@@ -272,14 +273,16 @@ class MergeLoop:
         # The teachers' checkpoints, loaded on first use (at most max_resident_teachers on their device at once; on a
         # GPU the evicted ones wait in host memory with teacher_offload 'cpu').
         # Each teacher's chat template is checked at load on the first chat route it serves (None: format routes).
-        first_chat = {}
-        for r, chat in ((t.route, t.chat) for t in self.row_texts.values()):
-            first_chat.setdefault(r, chat)
-        served = {name: next((first_chat.get(r) for r in self.routes if name in
-                              [t.name for t in router.teachers_for(r)] and first_chat.get(r)), None)
-                  for name in records}
+        first_chat: dict[str, list[dict[str, str]] | None] = {}
+        for t in self.row_texts.values():
+            first_chat.setdefault(t.route, t.chat)
+        served: dict[str, list[dict[str, str]]] = {}
+        for r in self.routes:
+            for rec in router.teachers_for(r):
+                if first_chat.get(r):
+                    served.setdefault(rec.name, first_chat[r])
         self.pool = TeacherPool(list(records), lambda name: _load_teacher(records[name], self.tok, opd.teacher_device,
-                                                                opd.teacher_dtype, served[name]),
+                                                                opd.teacher_dtype, served.get(name), student_fp),
                                 opd.max_resident_teachers,
                                 **host_parking(resolve_device(opd.teacher_device), opd.teacher_offload))
         self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
@@ -321,7 +324,8 @@ class MergeLoop:
         self.engine, self.servers = self._vllm_engines(cfg, records, gold)
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind;
         # an aligned teacher (another tokenizer) wraps its checkpoint to read the student's text its own way.
-        aligned = {name: AlignedTeacher(name, self.pool, load_tokenizer(rec.model_uri, rec.trust_remote_code),
+        aligned = {name: AlignedTeacher(name, self.pool,
+                                        load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code),
                                         self.tok, self.eos)
                    for name, rec in records.items() if rec.wrapper == "aligned"}
         self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok), aligned)
@@ -458,7 +462,7 @@ class MergeLoop:
         in its own terms (:func:`tasks.evaluation.evaluate.evaluate_teacher`: a teacher of another tokenizer with
         its own template)."""
         prompts, answers = prompts_answers
-        texts = [self.row_texts.get((route, p)) or RowText(route, p) for p in prompts]
+        texts = texts_of(prompts, [route] * len(prompts), self.row_texts)
         return {name: evaluate_teacher(self.teachers[name], self.tok, self.verifiers[route], texts, answers,
                                        self.caps[route]).accuracy for name in self.teachers_of[route]}
 

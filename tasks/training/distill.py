@@ -184,7 +184,7 @@ class OffPolicyData:
         """Off-policy completions of ``prompts``; teacher samples missing from the cache are drawn from ``generator``
         when given, else from torch's global one. ``texts``: each row's :class:`RowText` (default: the prompt text
         alone), what a teacher samples from."""
-        texts = texts or plain_texts(prompts, routes)
+        texts = texts or texts_of(prompts, routes)
         generated = generated_tokens = 0
         if self.source == "dataset":
             missing = [p for p in prompts if p not in self.gold]
@@ -217,10 +217,13 @@ class OffPolicyData:
         return sum(len(c) for c in todo.values()), tokens
 
 
-def plain_texts(prompts: list[str], routes: list[str]) -> list[RowText]:
-    """Rows known by their prompt text alone (no chat messages): what a caller without a prompt set's row texts
-    gives its teachers."""
-    return [RowText(r, p) for p, r in zip(prompts, routes)]
+def texts_of(prompts: list[str], routes: list[str],
+             row_texts: Mapping[tuple[str, str], RowText] | None = None) -> list[RowText]:
+    """Each row's :class:`RowText` from ``row_texts`` ((route, prompt) -> what its route rendered: a prompt set's
+    :meth:`tasks.specs.prompt_set.PromptSet.row_texts`), else the row known by its prompt text alone (no chat
+    messages), as a caller without a prompt set gives its teachers."""
+    known = row_texts or {}
+    return [known.get((r, p)) or RowText(r, p) for p, r in zip(prompts, routes)]
 
 
 class PromptSampler:
@@ -302,7 +305,7 @@ class BatchProducer:
     def _make(self, model: PreTrainedModel, on_policy: bool, version: int, drawn) -> Batch:
         prompts, routes, answers = drawn
         caps_B = [self.caps[r] for r in routes]
-        texts = [self.row_texts.get((r, p)) or RowText(r, p) for p, r in zip(prompts, routes)]
+        texts = texts_of(prompts, routes, self.row_texts)
         if on_policy:
             batch = sample_batch(model, self.tok, prompts, routes, answers, caps_B, version, *self.temps,
                                  with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator,
