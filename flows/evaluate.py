@@ -128,7 +128,8 @@ def evaluate(cfg: EvaluateConfig = EvaluateConfig()) -> dict:
 
     def accuracy(uri: str, routes: list[str]) -> dict[str, float]:
         model = load_model(uri).eval()  # one load per checkpoint, for all of its routes
-        return {r: evaluate_route(model, tok, ps.verifier(r), *sets[r], caps[r]).accuracy for r in routes}
+        return {r: evaluate_route(model, tok, ps.verifier(r), *sets[r], caps[r], stop=ps.stops()[r]).accuracy
+                for r in routes}
 
     model_acc = accuracy(local, ps.routes)
     base_acc = accuracy(base, ps.routes) if base else dict.fromkeys(ps.routes)

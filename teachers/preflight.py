@@ -29,7 +29,6 @@ from tasks.preflight import (
     spec_problems,
     teacher_problems,
 )
-from tasks.specs.spec import unapplied_generate_settings
 from teachers.registry import RegistryError, TeacherNotFound, TeacherRegistry, check_name
 from teachers.router import Router, RoutingError, UnmappedRouteError
 
@@ -96,8 +95,7 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     if cfg.opd.reward_scale != 1.0 and ref_uri and not any(p.field == "opd.reference_uri" for p in problems):
         problems += check_checkpoint(ref_uri, "opd.reference_uri", grant=" (the reference never runs custom code)").problems
 
-    report = Report(student_uri=student_uri, routes=list(routes),
-                    warnings=warnings + (unapplied_generate_settings(ps.spec) if ps is not None else []))
+    report = Report(student_uri=student_uri, routes=list(routes), warnings=warnings)
     if router is not None:
         for route in sorted(router.mapping):
             report.teachers[route] = "+".join(rec.name for rec in router.teachers_for(route))
@@ -130,6 +128,5 @@ def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
             check_name(f"{prefix}-{route}")
         except ValueError as e:
             problems.append(Problem(CONFIG, "name_prefix", str(e)))
-    report = Report(routes=ps.routes if ps is not None else [],
-                    warnings=unapplied_generate_settings(ps.spec) if ps is not None else [])
+    report = Report(routes=ps.routes if ps is not None else [])
     return finish(problems, report, say_warnings)

@@ -149,18 +149,3 @@ def test_every_problem_of_a_spec_at_once_and_the_command_line_says_them_without_
     assert any("routes[reverse].data.prompt_column" in e for e in errors)
     assert any("routes[letters].verify" in e and "nowhere_module" in e for e in errors)
     assert "Traceback" not in out.stderr
-
-
-def test_generate_settings_not_applied_yet_are_said_not_dropped(spec_dir):
-    """Only generate.max_new_tokens acts today: a spec that sets a temperature, top-p or stop strings passes the
-    preflight with a warning naming the route and each setting, and a spec that sets none gets no warning."""
-    plain = preflight_pipeline(pipeline_config("quick", spec=str(spec_dir / "routes.yaml")), say_warnings=False)
-    assert plain.warnings == []
-
-    def change(doc):
-        route = next(r for r in doc["routes"] if r["name"] == "letters")
-        route.setdefault("generate", {}).update(temperature=0.7, stop=["\n\n"])
-
-    report = preflight_pipeline(pipeline_config("quick", spec=str(edit(spec_dir, change))), say_warnings=False)
-    assert len(report.warnings) == 1
-    assert report.warnings[0].startswith("route 'letters': generate temperature 0.7, stop ['\\n\\n'] not applied")

@@ -56,7 +56,7 @@ def compare(cfg: AdapterMergesConfig) -> list[dict]:
     """One row per (method, route): accuracy, retention and gain recovered, the OPD student's first."""
     from tasks.common.adapters import adapter_base
     from tasks.common.paths import models_dir
-    from tasks.evaluation.evaluate import evaluate_routes, gain_recovered, retention
+    from tasks.evaluation.evaluate import evaluate_prompt_set, gain_recovered, retention
     from tasks.merging.weight_merge import adapter_of, merge_checkpoints
     from tasks.modeling.models import load_model
     from tasks.specs.prompt_set import load_prompt_set
@@ -74,7 +74,7 @@ def compare(cfg: AdapterMergesConfig) -> list[dict]:
                          "need LoRA specialists (train.lora_rank > 0)")
     base = adapter_base(adapters[0])
     ps = load_prompt_set(prompt_set_task(cfg.spec, cfg.world, base))
-    sets, caps = ps.eval_sets(), ps.caps()
+    sets = ps.eval_sets()
     rows = [{"method": "opd", "merged": str(merged), **{k: r[k] for k in ("route", "base_accuracy", "teacher_accuracy")},
              "accuracy": r["student_accuracy"], "seconds": None} for r in opd_rows]
     for method in cfg.methods:
@@ -82,7 +82,7 @@ def compare(cfg: AdapterMergesConfig) -> list[dict]:
         out = merge_checkpoints(base, experts, method, models_dir() / "adapter_merges" / f"{method}-{merged.name}",
                                 density=cfg.density, scale=cfg.scale, seed=cfg.seed)
         seconds = time.perf_counter() - t0
-        scores = evaluate_routes(load_model(out).eval(), load_tokenizer(out), sets, caps, ps.verifiers)
+        scores = evaluate_prompt_set(load_model(out).eval(), load_tokenizer(out), ps, sets)
         for r in opd_rows:
             rows.append({"method": method, "route": r["route"], "base_accuracy": r["base_accuracy"],
                          "teacher_accuracy": r["teacher_accuracy"], "accuracy": scores[r["route"]].accuracy,

@@ -4,13 +4,13 @@ student accuracy / teacher accuracy."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.modeling.rollout import cap_responses, decode_responses, eos_ids, generate
+from tasks.modeling.rollout import cap_responses, decode_responses, eos_ids, generate, strip_stop
 from tasks.specs.verifiers import Verifier
 
 
@@ -30,6 +30,13 @@ class RouteScore:
     response_length: float  # mean tokens including EOS
     truncated: float  # fraction without EOS
     n: int
+    exact: float | None = None  # share of responses in the route's exact format (VerifySpec.build_exact); None: not asked
+
+
+def _score(verify: Verifier, texts: list[str], answers: list[str], prompts: list[str],
+           exact: Verifier | None) -> tuple[int, int]:
+    """Right answers by the verifier, and by the exact-format check (0 without one)."""
+    return sum(right(verify, texts, answers, prompts)), (sum(right(exact, texts, answers, prompts)) if exact else 0)
 
 
 def evaluate_route(
@@ -40,33 +47,40 @@ def evaluate_route(
     answers: list[str],
     max_new_tokens: int,
     batch_size: int = 256,
+    stop: Sequence[str] = (),
+    exact: Verifier | None = None,
 ) -> RouteScore:
-    """Greedy decoding on a route's held-out prompts; ``verify`` (the route's verifier) checks each response against
-    its reference answer."""
-    correct, length, trunc = 0, 0.0, 0.0
+    """Greedy decoding on a route's held-out prompts, each response ended at EOS or at one of the route's ``stop``
+    strings; ``verify`` (the route's verifier) checks each response against its reference answer, and ``exact``
+    (its exact-format check, when given) gives :attr:`RouteScore.exact` beside it."""
+    correct, in_format, length, trunc = 0, 0, 0.0, 0.0
     for s in range(0, len(prompts), batch_size):
         chunk = list(prompts[s:s + batch_size])
-        ro = generate(model, tok, chunk, max_new_tokens, greedy=True)
-        texts = decode_responses(tok, ro)
-        correct += sum(right(verify, texts, list(answers[s:s + batch_size]), chunk))
+        stops = [tuple(stop)] * len(chunk)
+        ro = generate(model, tok, chunk, max_new_tokens, greedy=True, stop=stops)
+        texts = decode_responses(tok, ro, stops)
+        ok, fmt = _score(verify, texts, list(answers[s:s + batch_size]), chunk, exact)
+        correct, in_format = correct + ok, in_format + fmt
         length += float(ro.response_lengths_B.float().sum())
         trunc += float(ro.truncated_B.float().sum())
     n = len(prompts)
-    return RouteScore(correct / n, length / n, trunc / n, n)
+    return RouteScore(correct / n, length / n, trunc / n, n, in_format / n if exact else None)
 
 
 def evaluate_teacher(teacher, tok: PreTrainedTokenizerBase, verify: Verifier, rows: list, answers: list[str],
-                     max_new_tokens: int) -> RouteScore:
+                     max_new_tokens: int, stop: Sequence[str] = (), exact: Verifier | None = None) -> RouteScore:
     """A teacher's greedy accuracy on held-out rows (:class:`tasks.specs.render.RowText` s), through the teacher
     interface: a teacher that reads the student's tokens (its ``model``) is evaluated as the student is; one that
-    reads its own text answers in its own template and tokens (``answer``; lengths in its tokens)."""
+    reads its own text answers in its own template and tokens (``answer``; lengths in its tokens), its text read up
+    to the route's first ``stop`` string."""
     prompts = [r.prompt for r in rows]
     if teacher.model is not None:
-        return evaluate_route(teacher.model, tok, verify, prompts, answers, max_new_tokens)
+        return evaluate_route(teacher.model, tok, verify, prompts, answers, max_new_tokens, stop=stop, exact=exact)
     texts, lengths, truncated = teacher.answer(rows, max_new_tokens)
+    texts = [strip_stop(t, stop) for t in texts]
     n = max(len(rows), 1)
-    return RouteScore(sum(right(verify, texts, list(answers), prompts)) / n, sum(lengths) / n, sum(truncated) / n,
-                      len(rows))
+    ok, fmt = _score(verify, texts, list(answers), prompts, exact)
+    return RouteScore(ok / n, sum(lengths) / n, sum(truncated) / n, len(rows), fmt / n if exact else None)
 
 
 def evaluate_routes(
@@ -75,11 +89,22 @@ def evaluate_routes(
     eval_sets: dict[str, tuple[list[str], list[str]]],
     max_new_tokens: int | dict[str, int],
     verifiers: Mapping[str, Verifier],
+    stops: Mapping[str, Sequence[str]] | None = None,
+    exact: Mapping[str, Verifier] | None = None,
 ) -> dict[str, RouteScore]:
     """``eval_sets``: route -> (prompts, answers); ``max_new_tokens`` one cap or a cap per route; ``verifiers``:
-    route -> its verifier."""
+    route -> its verifier; ``stops``: route -> its stop strings; ``exact``: route -> its exact-format check."""
     caps = max_new_tokens if isinstance(max_new_tokens, dict) else {r: max_new_tokens for r in eval_sets}
-    return {r: evaluate_route(model, tok, verifiers[r], p, a, caps[r]) for r, (p, a) in eval_sets.items()}
+    return {r: evaluate_route(model, tok, verifiers[r], p, a, caps[r], stop=(stops or {}).get(r, ()),
+                              exact=(exact or {}).get(r)) for r, (p, a) in eval_sets.items()}
+
+
+def evaluate_prompt_set(model: PreTrainedModel, tok: PreTrainedTokenizerBase, ps,
+                        eval_sets: dict[str, tuple[list[str], list[str]]] | None = None) -> dict[str, RouteScore]:
+    """:func:`evaluate_routes` on a prompt set's held-out prompts (or ``eval_sets``), as its spec says: each route's
+    cap, stop strings, verifier and exact-format check."""
+    return evaluate_routes(model, tok, ps.eval_sets() if eval_sets is None else eval_sets, ps.caps(), ps.verifiers,
+                           ps.stops(), ps.exact_verifiers)
 
 
 def derail(tok: PreTrainedTokenizerBase, completion: str, answer: str, rng: random.Random) -> tuple[str, str] | None:

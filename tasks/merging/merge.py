@@ -110,6 +110,8 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
         m[f"accuracy/{r}"] = s.accuracy
         m[f"retention/{r}"] = retention(s.accuracy, teacher_acc[r])
         m[f"response_length/{r}"] = s.response_length
+        if s.exact is not None:
+            m[f"exact/{r}"] = s.exact
     for key in ("accuracy", "retention", "response_length"):
         m[f"{key}/mean"] = route_mean(m[f"{key}/{r}"] for r in scores)
     for group, value in label_means({r: m[f"retention/{r}"] for r in scores}, labels or {}).items():
@@ -239,7 +241,10 @@ class MergeLoop:
         torch.manual_seed(opd.seed)
         self.ps = load_prompt_set(prompt_set)
         self.run_id, self.router, self.routes = run_id, router, self.ps.routes
-        self.verifiers = self.ps.verifiers
+        self.verifiers, self.exact = self.ps.verifiers, self.ps.exact_verifiers
+        # Each route's rollout sampling (its spec's generate.temperature, else opd.sample_temperature; top_p; stop).
+        self.sampling = {r: self.ps.route(r).generate.sampling(opd.sample_temperature) for r in self.routes}
+        self.stops = self.ps.stops()
         self.labels = {r: self.ps.labels(r) for r in self.routes}
         self.tok = load_tokenizer(cfg.student_uri)
         student_fp = tokenizer_fingerprint(self.tok)
@@ -399,7 +404,7 @@ class MergeLoop:
         return engine, servers
 
     def evaluate(self, model) -> dict[str, RouteScore]:
-        return evaluate_routes(model, self.tok, self.eval_sets, self.caps, self.verifiers)
+        return evaluate_routes(model, self.tok, self.eval_sets, self.caps, self.verifiers, self.stops, self.exact)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Log on the lead; a value MLflow already holds for this key and step (from a killed attempt) is skipped.
@@ -436,9 +441,11 @@ class MergeLoop:
             return self.state.base_scores
         n_eval = sum(len(v[0]) for v in self.eval_sets.values())
         self.say(f"evaluating {len(self.teachers)} teachers and the initial student on {n_eval} held-out prompts")
-        each = {r: self.teacher_accuracies(r, self.eval_sets[r]) for r in self.routes}
-        # A route with several teachers is measured against the best of them.
+        scored = {r: self.teacher_scores(r, self.eval_sets[r]) for r in self.routes}
+        each = {r: {name: x.accuracy for name, x in per.items()} for r, per in scored.items()}
+        # A route with several teachers is measured against the best of them (its exact figure is that teacher's).
         self.state.teacher_acc = {r: max(acc.values()) for r, acc in each.items()}
+        self.state.teacher_exact = {r: per[max(per, key=lambda n: per[n].accuracy)].exact for r, per in scored.items()}
         base = self.state.scores = self.state.base_scores = self.evaluate(self.student)
         self.log({**teacher_metrics("teacher_accuracy", each),
                   **{f"base_accuracy/{r}": s.accuracy for r, s in base.items()},
@@ -457,14 +464,19 @@ class MergeLoop:
             self.log(self.reweigh(), 0)
         return base
 
-    def teacher_accuracies(self, route: str, prompts_answers: tuple[list[str], list[str]]) -> dict[str, float]:
-        """Greedy accuracy of each teacher of ``route`` on ``prompts_answers`` (held-out prompts and answers), each
-        in its own terms (:func:`tasks.evaluation.evaluate.evaluate_teacher`: a teacher of another tokenizer with
-        its own template)."""
+    def teacher_scores(self, route: str, prompts_answers: tuple[list[str], list[str]]) -> dict[str, RouteScore]:
+        """Greedy score of each teacher of ``route`` on ``prompts_answers`` (held-out prompts and answers), each in
+        its own terms (:func:`tasks.evaluation.evaluate.evaluate_teacher`: a teacher of another tokenizer with its
+        own template), with the route's exact-format figure."""
         prompts, answers = prompts_answers
         texts = texts_of(prompts, [route] * len(prompts), self.row_texts)
         return {name: evaluate_teacher(self.teachers[name], self.tok, self.verifiers[route], texts, answers,
-                                       self.caps[route]).accuracy for name in self.teachers_of[route]}
+                                       self.caps[route], self.stops[route], self.exact[route])
+                for name in self.teachers_of[route]}
+
+    def teacher_accuracies(self, route: str, prompts_answers: tuple[list[str], list[str]]) -> dict[str, float]:
+        """Greedy accuracy of each teacher of ``route`` (:meth:`teacher_scores`)."""
+        return {name: s.accuracy for name, s in self.teacher_scores(route, prompts_answers).items()}
 
     def teacher_recoveries(self, route: str) -> dict[str, float]:
         """The recovery diagnostic (:meth:`recovery`) of each teacher of ``route``; empty when it has no trace to derail
@@ -494,7 +506,7 @@ class MergeLoop:
         need and the sampler's shares (:mod:`tasks.merging.route_mix`); returns what to log."""
         opd = self.opd
         student = {r: s.accuracy for r, s in evaluate_routes(self.student, self.tok, self.mix_slice, self.caps,
-                                                             self.verifiers).items()}
+                                                             self.verifiers, self.stops).items()}
         need = route_need(student, self.state.slice_teacher_acc)
         self.state.route_need = smooth_need(self.state.route_need, need, opd.route_sampling_smoothing)
         self.sampler.shares = route_shares(self.state.route_need, opd.route_sampling_floor)
@@ -517,7 +529,7 @@ class MergeLoop:
         producer = BatchProducer(self.student, self.tok, self.sampler, self.offpolicy, self.caps, opd.batch_size,
                                  opd.sample_temperature, opd.divergence_temperature, needs_logprobs,
                                  opd.overlap_generation, self.engine, seed=opd.seed * 1009 + no,
-                                 verifiers=self.verifiers, row_texts=self.row_texts)
+                                 verifiers=self.verifiers, row_texts=self.row_texts, sampling=self.sampling)
         # How much of each teacher's distribution is asked for; a capped served teacher's routes learn its top K.
         objectives, served_k = served_plan(objectives, self.teacher_of, self.logprob_caps, list(self.teachers))
         stage_id = {"cold_start": 1, "on_policy": 2}[name]
@@ -827,8 +839,10 @@ def merge_rank(cfg: MergeConfig, prompt_set: str, router: Routing, run_id: str,
         return {}
 
     scores = loop.state.scores
-    rows = [retention_row(r, "+".join(loop.teachers_of[r]), scores[r].accuracy, loop.state.teacher_acc[r],
-                          base_scores[r].accuracy) for r in routes]
+    rows = [{**retention_row(r, "+".join(loop.teachers_of[r]), scores[r].accuracy, loop.state.teacher_acc[r],
+                             base_scores[r].accuracy),
+             "base_exact": base_scores[r].exact, "teacher_exact": loop.state.teacher_exact.get(r),
+             "student_exact": scores[r].exact} for r in routes]
     _, out = save_trained(loop.student, loop.tok, models_dir() / "merged" / run_id, state_dict)
     (out / "retention.json").write_text(json.dumps(rows, indent=2))
     log_retention(run_id, rows, out)

@@ -50,6 +50,7 @@ class MergeState:
     gates: list[GateResult] = field(default_factory=list)
     window: dict[str, dict[str, float]] = field(default_factory=dict)
     teacher_acc: dict[str, float] = field(default_factory=dict)
+    teacher_exact: dict[str, float | None] = field(default_factory=dict)  # the best teacher's exact-format figure
     # opd.route_sampling retention: the teachers' accuracy on the held-out slice and each route's smoothed need.
     slice_teacher_acc: dict[str, float] = field(default_factory=dict)
     route_need: dict[str, float] = field(default_factory=dict)

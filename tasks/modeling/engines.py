@@ -41,7 +41,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.modeling.device import model_device, usable_cpus
-from tasks.modeling.rollout import Rollout, Stop, eos_ids, rollout_from_responses, token_logprobs
+from tasks.modeling.rollout import Rollout, Stop, eos_ids, rollout_from_responses
 from tasks.objectives.losses import Objective
 
 # Prompt log-probs over the whole vocabulary (vLLM's -1), for full-distribution objectives.
@@ -240,19 +240,25 @@ class VLLMRollout:
         return self.sync_seconds
 
     def generate(
-        self, prompts: Sequence[str], caps_B: Sequence[int], temperature: float = 1.0, greedy: bool = False
+        self, prompts: Sequence[str], caps_B: Sequence[int], temperature: float | Sequence[float] = 1.0,
+        greedy: bool = False, top_p: float | Sequence[float] = 1.0,
     ) -> tuple[Rollout, torch.Tensor]:
-        """One completion per prompt, each capped at its own ``caps_B[b]`` tokens (no top-k/top-p truncation), and
-        the sampled tokens' log-probs at ``temperature`` laid out like :func:`tasks.modeling.rollout.token_logprobs`:
-        ``[B, T-1]``, position t scoring token t+1 (0 off the response)."""
+        """One completion per prompt, each capped at its own ``caps_B[b]`` tokens, sampled at ``temperature`` with
+        nucleus mass ``top_p`` (each one value or one per prompt; no top-k), and the sampled tokens' log-probs under
+        that sampling distribution (vLLM's processed log-probs) laid out like
+        :func:`tasks.modeling.rollout.token_logprobs`: ``[B, T-1]``, position t scoring token t+1 (0 off the
+        response). Stop strings are cut afterwards (:func:`tasks.modeling.rollout.cut_at_stops`): the engine reads
+        token ids only."""
         self.wake_up()
         ids = _prompt_ids(self.tok, prompts)
+        temps = [temperature] * len(caps_B) if isinstance(temperature, (int, float)) else list(temperature)
+        top_ps = [top_p] * len(caps_B) if isinstance(top_p, (int, float)) else list(top_p)
         params = []
-        for cap in caps_B:
+        for cap, temp, p in zip(caps_B, temps, top_ps):
             # A per-request seed keeps sampling reproducible whatever else the engine has served.
             self.requests += 1
             params.append(self.SamplingParams(
-                temperature=0.0 if greedy else temperature, top_k=0, top_p=1.0, max_tokens=int(cap), logprobs=0,
+                temperature=0.0 if greedy else temp, top_k=0, top_p=float(p), max_tokens=int(cap), logprobs=0,
                 stop_token_ids=self.eos, allowed_token_ids=self.allowed, detokenize=False,
                 seed=self.seed * 1_000_003 + self.requests))
         outs = self.llm.generate([self.TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
@@ -499,23 +505,6 @@ def check_parity(name: str, where: str, worst: float, tol: float, dtype: torch.d
             f"{worst:.3g} > tolerance {tol:g} (opd.parity_tol). The server is probably serving other weights, "
             f"another dtype or another tokenizer.{hint}"
         )
-
-
-def rollout_with_logprobs(
-    engine: VLLMRollout,
-    model: PreTrainedModel,
-    prompts: Sequence[str],
-    caps_B: Sequence[int],
-    sample_temperature: float,
-    divergence_temperature: float,
-) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
-    """Sample with the engine; the behaviour log-probs come from vLLM, and the old policy's log-probs at the
-    divergence temperature too when the temperatures agree (else from ``model``, which holds the engine's weights)."""
-    rollout, logq_beh_B_T = engine.generate(prompts, caps_B, sample_temperature)
-    if divergence_temperature == sample_temperature:
-        return rollout, logq_beh_B_T, logq_beh_B_T
-    (logq_old_B_T,) = token_logprobs(model, rollout, (divergence_temperature,), vocab_size=len(engine.tok))
-    return rollout, logq_beh_B_T, logq_old_B_T
 
 
 def served_logprobs_k(objectives: Sequence[Objective], cap: int | None = None) -> int:

@@ -28,6 +28,8 @@ from transformers import (
     LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
 )
 
 from tasks.modeling.device import autocast_for, model_device
@@ -131,21 +133,108 @@ class RealVocabulary(LogitsProcessor):
         return scores_B_V
 
 
-class PrivateSampler(LogitsProcessor):
-    """Sampling from ``softmax(scores / temperature)`` with a caller's own ``torch.Generator``, for transformers'
-    ``generate`` run greedily (whose sampling otherwise draws from torch's global generator, which every thread of a
-    process shares): Gumbel-max, the argmax of the log-probabilities plus independent Gumbel noise ``-log E``
-    (``E ~ Exp(1)``), is an exact draw from that distribution."""
+class RowSampler(LogitsProcessor):
+    """Sampling row by row for transformers' ``generate`` run greedily: row b draws from ``softmax(scores /
+    temperature_B[b])`` restricted to its nucleus (the fewest most likely tokens whose mass reaches ``top_p_B[b]``;
+    1 = every token), or takes the argmax where its temperature is 0. Gumbel-max: the argmax of the tempered,
+    truncated log-probabilities plus independent Gumbel noise ``-log E`` (``E ~ Exp(1)``) is an exact draw from that
+    distribution. The noise comes from ``generator`` when given (a caller sampling in threads side by side stays
+    reproducible; transformers' own sampling draws from torch's global generator, which every thread shares), else
+    from torch's global one."""
 
-    def __init__(self, temperature: float, generator: torch.Generator):
-        self.temperature, self.generator = temperature, generator
+    def __init__(self, temperature_B: Sequence[float] | float, top_p_B: Sequence[float] | float = 1.0,
+                 generator: torch.Generator | None = None):
+        self.temperature_B = torch.as_tensor(temperature_B, dtype=torch.float32).reshape(-1)
+        self.top_p_B = torch.as_tensor(top_p_B, dtype=torch.float32).reshape(-1)
+        self.generator = generator
 
     def __call__(self, input_ids: torch.LongTensor, scores_B_V: torch.FloatTensor) -> torch.FloatTensor:
+        B = scores_B_V.shape[0]
+        temp_B1 = self.temperature_B.expand(B)[:, None].to(scores_B_V.device, scores_B_V.dtype)
+        greedy_B1 = temp_B1 == 0
+        z_B_V = scores_B_V / torch.where(greedy_B1, torch.ones_like(temp_B1), temp_B1)
+        top_p_B1 = self.top_p_B.expand(B)[:, None].to(scores_B_V.device)
+        if bool((top_p_B1 < 1).any()):
+            sorted_B_V, order_B_V = z_B_V.sort(dim=-1, descending=True)
+            p_B_V = sorted_B_V.float().softmax(-1)
+            # A token leaves the nucleus when the tokens ranked above it already hold top_p of the mass.
+            out_sorted_B_V = (p_B_V.cumsum(-1) - p_B_V) >= top_p_B1
+            out_B_V = torch.zeros_like(out_sorted_B_V).scatter(-1, order_B_V, out_sorted_B_V)
+            z_B_V = z_B_V.masked_fill(out_B_V, float("-inf"))
         # Drawn where the generator lives (the CPU's, reproducible whatever the model's device), then moved.
-        e_B_V = torch.empty(scores_B_V.shape, dtype=scores_B_V.dtype, device=self.generator.device)
+        where = self.generator.device if self.generator is not None else "cpu"
+        e_B_V = torch.empty(scores_B_V.shape, dtype=scores_B_V.dtype, device=where)
         e_B_V = e_B_V.exponential_(generator=self.generator).to(scores_B_V.device)
         # E = 0 would give +inf noise, and inf + (-inf) on a banned token a NaN that argmax picks.
-        return scores_B_V / self.temperature - e_B_V.clamp_(min=torch.finfo(e_B_V.dtype).tiny).log()
+        noise_B_V = -e_B_V.clamp_(min=torch.finfo(e_B_V.dtype).tiny).log()
+        return z_B_V + noise_B_V.masked_fill(greedy_B1, 0.0)
+
+
+class PrivateSampler(RowSampler):
+    """:class:`RowSampler` at one temperature for every row, without top-p, drawing from ``generator``."""
+
+    def __init__(self, temperature: float, generator: torch.Generator):
+        super().__init__(temperature, 1.0, generator)
+
+
+class StopStrings(StoppingCriteria):
+    """Ends each row of a batch at its own stop strings (``stops_B[b]``; empty: none), for transformers' ``generate``:
+    a row is done once the text of its newest tokens holds one of them (its later positions are then padding). Where
+    exactly each response ends is :func:`cut_at_stops`'s to say, on the finished rollout."""
+
+    def __init__(self, tok: PreTrainedTokenizerBase, prompt_width: int, stops_B: Sequence[Sequence[str]]):
+        self.tok, self.P, self.stops_B = tok, prompt_width, [tuple(x) for x in stops_B]
+        # Every token decodes to at least one character (or none, for a few specials): the newest tokens of this
+        # many cover the longest stop string with room for a split character.
+        self.tail = max((len(x) for row in self.stops_B for x in row), default=0) + 4
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done_B = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for b, stops in enumerate(self.stops_B):
+            if stops:
+                text = self.tok.decode(input_ids[b, max(self.P, input_ids.shape[1] - self.tail):])
+                done_B[b] = any(x in text for x in stops)
+        return done_B
+
+
+def stop_end(tok: PreTrainedTokenizerBase, ids: Sequence[int], stops: Sequence[str]) -> int | None:
+    """How many of ``ids`` a response keeps when it ends at its first stop string: up to and including the token that
+    completes one (None: the text holds none)."""
+    if not stops or not any(x in tok.decode(list(ids)) for x in stops):
+        return None
+    lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(x in tok.decode(list(ids[:mid])) for x in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def cut_at_stops(rollout: Rollout, tok: PreTrainedTokenizerBase, stops_B: Sequence[Sequence[str]], eos: Stop) -> Rollout:
+    """Each row's response ended at its first stop string (``stops_B[b]``; empty: none): the token that completes it
+    is the response's last (its text, from :func:`strip_stop`, ends before the stop string), later tokens leave both
+    masks, and the row counts as ended, not truncated. Rows without a stop string are unchanged."""
+    if not any(stops_B):
+        return rollout
+    P = rollout.prompt_width
+    resp_B_R = rollout.response_mask_B_T[:, P:].clone()
+    stopped_B = torch.zeros(resp_B_R.shape[0], dtype=torch.bool)
+    for b, stops in enumerate(stops_B):
+        end = stop_end(tok, rollout.sequences_B_T[b, P:P + int(resp_B_R[b].sum())].tolist(), stops)
+        if end is not None:
+            resp_B_R[b, end:] = 0
+            stopped_B[b] = True
+    out = _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos)
+    out.truncated_B &= ~stopped_B
+    return out
+
+
+def strip_stop(text: str, stops: Sequence[str]) -> str:
+    """``text`` before its first stop string (all of it without one): what a verifier reads, as vLLM returns it."""
+    cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 _COMPILED_ATTR = "_opd_compiled_generation"  # an instance attribute, so that a deepcopy (the overlap's copy) keeps it
@@ -182,26 +271,35 @@ def generate(
     prompts: list[str],
     max_new_tokens: int,
     greedy: bool = False,
-    temperature: float = 1.0,
+    temperature: float | Sequence[float] = 1.0,
     generator: torch.Generator | None = None,
+    top_p: float | Sequence[float] = 1.0,
+    stop: Sequence[Sequence[str]] | None = None,
 ) -> Rollout:
-    """Sample (temperature, no top-k/top-p truncation) or decode greedily one completion per prompt, stopping at any
-    of :func:`eos_ids` and never emitting an id of a padded head past ``len(tok)`` (:class:`RealVocabulary`).
-    Samples draw from torch's global generator, or from ``generator`` when given (:class:`PrivateSampler`): code
-    sampling in threads side by side passes its own to stay reproducible. The model runs on its own device, under
-    its compute dtype's autocast (:func:`tasks.modeling.device.autocast_for`); the rollout comes back on the CPU."""
+    """Sample or decode greedily one completion per prompt, stopping at any of :func:`eos_ids` and never emitting an
+    id of a padded head past ``len(tok)`` (:class:`RealVocabulary`). ``temperature`` and ``top_p`` are one value or
+    one per prompt (a mixed batch samples each route as its spec says; temperature 0 = greedy for that row; no top-k);
+    ``stop``: each prompt's stop strings, which end its response as EOS does (:func:`cut_at_stops`). Samples draw
+    from torch's global generator, or from ``generator`` when given (:class:`RowSampler`): code sampling in threads
+    side by side passes its own to stay reproducible. The model runs on its own device, under its compute dtype's
+    autocast (:func:`tasks.modeling.device.autocast_for`); the rollout comes back on the CPU."""
     was_training = model.training
     model.eval()
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     processors = LogitsProcessorList([RealVocabulary(len(tok))])  # before the sampler: its noise keeps -inf banned
+    uniform = isinstance(temperature, (int, float)) and isinstance(top_p, (int, float)) and top_p == 1.0
     if greedy:
         kwargs = dict(do_sample=False)
-    elif generator is not None:
-        processors.append(PrivateSampler(temperature, generator))
+    elif generator is not None or not uniform:
+        processors.append(RowSampler(temperature, top_p, generator))
         kwargs = dict(do_sample=False)
     else:
         kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     eos = eos_ids(tok, model)
+    P = enc.input_ids.shape[1]
+    stops_B = [tuple(x) for x in stop] if stop is not None else []
+    if any(stops_B):
+        kwargs["stopping_criteria"] = StoppingCriteriaList([StopStrings(tok, P, stops_B)])
     device = model_device(model)
     with autocast_for(model):
         out_B_T = model.generate(
@@ -215,8 +313,8 @@ def generate(
             **compiled_generation_kwargs(model),
         ).cpu()
     model.train(was_training)
-    P = enc.input_ids.shape[1]
-    return _assemble(out_B_T, enc.attention_mask, response_mask(out_B_T[:, P:], eos), eos)
+    rollout = _assemble(out_B_T, enc.attention_mask, response_mask(out_B_T[:, P:], eos), eos)
+    return cut_at_stops(rollout, tok, stops_B, eos) if any(stops_B) else rollout
 
 
 def _assemble(sequences_B_T: torch.Tensor, prompt_mask_B_P: torch.Tensor, resp_B_R: torch.Tensor, eos: Stop) -> Rollout:
@@ -243,7 +341,10 @@ def cap_responses(rollout: Rollout, caps_B: list[int], eos: Stop) -> Rollout:
     P = rollout.prompt_width
     keep_B_R = (torch.arange(R)[None, :] < torch.tensor(caps_B)[:, None]).long()
     resp_B_R = rollout.response_mask_B_T[:, P:] * keep_B_R
-    return _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos)
+    out = _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos)
+    # A row that had ended inside its cap (at EOS, or at a stop string: :func:`cut_at_stops`) stays ended.
+    out.truncated_B &= ~(~rollout.truncated_B & (rollout.response_lengths_B <= torch.tensor(caps_B)))
+    return out
 
 
 def rollout_from_responses(tok: PreTrainedTokenizerBase, prompts: list[str], responses: list[list[int]],
@@ -267,9 +368,12 @@ def response_ids(rollout: Rollout) -> list[list[int]]:
     return [seq_T[m_T.bool()].tolist() for seq_T, m_T in zip(rollout.sequences_B_T, rollout.response_mask_B_T)]
 
 
-def decode_responses(tok: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
-    """Response text up to (not including) the first EOS."""
-    return [tok.decode(ids, skip_special_tokens=True) for ids in response_ids(rollout)]
+def decode_responses(tok: PreTrainedTokenizerBase, rollout: Rollout,
+                     stop: Sequence[Sequence[str]] | None = None) -> list[str]:
+    """Response text up to (not including) the first EOS, and before its row's first stop string (``stop``: each
+    row's, as the rollout was generated with)."""
+    texts = [tok.decode(ids, skip_special_tokens=True) for ids in response_ids(rollout)]
+    return texts if stop is None else [strip_stop(t, x) for t, x in zip(texts, stop)]
 
 
 def forward_hidden(model: PreTrainedModel, sequences_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor) -> torch.Tensor:

@@ -279,6 +279,12 @@ class PromptSet:
     def verifier(self, route: str) -> Verifier:
         return self.verifiers[route]
 
+    @cached_property
+    def exact_verifiers(self) -> dict[str, Verifier]:
+        """route -> its exact-format check (:meth:`tasks.specs.spec.VerifySpec.build_exact`), the figure reported
+        beside the verifier's accuracy (the same as it on a route whose verifier is ``exact``)."""
+        return {r.name: r.verify.build_exact() for r in self.spec.routes}
+
     def well_formed(self, route: str, completion: str) -> bool:
         return self.route(route).verify.well_formed(completion)
 
@@ -289,6 +295,10 @@ class PromptSet:
     def caps(self) -> dict[str, int]:
         """route -> :meth:`cap`, every route."""
         return {r: self.cap(r) for r in self.routes}
+
+    def stops(self) -> dict[str, tuple[str, ...]]:
+        """route -> its ``generate.stop`` strings (each ends a response as EOS does, in rollouts and evaluation)."""
+        return {r: tuple(self.route(r).generate.stop) for r in self.routes}
 
     def labels(self, route: str) -> dict[str, str]:
         return dict(self.route(route).labels)

@@ -34,6 +34,7 @@ import hashlib
 import json
 import string
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +44,7 @@ from tasks.common.problems import InputError, Problem, validation_problems
 from tasks.specs import verifiers
 
 DataFormat = Literal["auto", "jsonl", "json", "parquet", "csv", "disk", "hub", "reasoning_gym"]
-VerifyKind = Literal["exact", "numeric", "regex", "math", "function"]
+VerifyKind = Literal["exact", "numeric", "regex", "math", "last_number", "contains", "function"]
 # How several teachers of one route make one target (tasks/objectives/combine.py; the merge applies it).
 CombineMode = Literal["select", "mixture", "average_logits"]
 # Values of a split column that mean "held out" and "train" (case-insensitive).
@@ -131,6 +132,16 @@ class RenderSpec(_Spec):
         return self
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one route's rollouts sample (:meth:`GenerateSpec.sampling`): temperature (0 = greedy), nucleus mass
+    ``top_p`` and the ``stop`` strings that end a response as EOS does."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+
+
 class GenerateSpec(_Spec):
     """How the student samples on this route (evaluation is greedy under the same cap and stop strings)."""
 
@@ -146,30 +157,23 @@ class GenerateSpec(_Spec):
             raise ValueError("stop strings must be non-empty")
         return v
 
-
-def unapplied_generate_settings(spec: "RouteSpecFile") -> list[str]:
-    """Warnings for the ``generate`` settings a spec sets that the pipeline does not apply yet (only
-    ``max_new_tokens`` is): rollouts sample at ``opd.sample_temperature`` without top-p and stop at EOS, evaluation is
-    greedy. Said by the preflight, so that a setting is never dropped silently."""
-    default = GenerateSpec()
-    out = []
-    for r in spec.routes:
-        changed = [f"{k} {getattr(r.generate, k)!r}" for k in ("temperature", "top_p", "stop")
-                   if getattr(r.generate, k) != getattr(default, k)]
-        if changed:
-            out.append(f"route {r.name!r}: generate {', '.join(changed)} not applied (only max_new_tokens is): "
-                       "rollouts sample at opd.sample_temperature without top-p and end at EOS; evaluation is greedy")
-    return out
+    def sampling(self, default_temperature: float = 1.0) -> Sampling:
+        """This route's rollout sampling: its ``temperature`` where the spec sets one, else ``default_temperature``
+        (the merge's ``opd.sample_temperature``), its ``top_p`` and ``stop`` strings."""
+        temperature = self.temperature if "temperature" in self.model_fields_set else default_temperature
+        return Sampling(temperature, self.top_p, tuple(self.stop))
 
 
 class VerifySpec(_Spec):
     """How an answer is checked (tasks/specs/verifiers.py)."""
 
-    kind: VerifyKind = Field("exact", description="exact, numeric, regex, math (math-verify) or function.")
+    kind: VerifyKind = Field("exact", description="exact, numeric, regex, math (math-verify), last_number (the last number "
+                          "of free text, as numeric compares), contains (the reference anywhere in the response) or "
+                          "function.")
     answer_after: str = Field("", description="Compare only the text after the last occurrence of this marker.")
-    case_sensitive: bool = Field(True, description="exact and regex: compare case-sensitively.")
-    tolerance: float = Field(1e-6, ge=0, description="numeric: largest absolute difference accepted.")
-    rel_tolerance: float = Field(0.0, ge=0, description="numeric: largest difference relative to the reference.")
+    case_sensitive: bool = Field(True, description="exact, contains and regex: compare case-sensitively.")
+    tolerance: float = Field(1e-6, ge=0, description="numeric and last_number: largest absolute difference accepted.")
+    rel_tolerance: float = Field(0.0, ge=0, description="numeric and last_number: largest difference relative to the reference.")
     pattern: str = Field("", description="regex: the pattern whose group is the answer (last match).")
     group: int | str = Field(1, description="regex: group number or name.")
     function: str = Field("", description="function: 'module:function', called as fn(completion, reference, row).")
@@ -208,7 +212,17 @@ class VerifySpec(_Spec):
             return verifiers.regex(self.pattern, self.group, self.case_sensitive)
         if self.kind == "math":
             return verifiers.math_verify(self.answer_after)
+        if self.kind == "last_number":
+            return verifiers.last_number(self.tolerance, self.rel_tolerance, self.answer_after)
+        if self.kind == "contains":
+            return verifiers.contains(self.case_sensitive, self.answer_after)
         return verifiers.function(self.function, folder)
+
+    def build_exact(self) -> verifiers.Verifier:
+        """The exact-format check reported beside the verifier's accuracy: the response (after ``answer_after``) is the
+        reference, character for character. A lenient verifier (``last_number``, ``contains``, ``math``) says whether the answer is
+        right; this says whether it is also in the route's format."""
+        return verifiers.exact(self.case_sensitive, self.answer_after)
 
 
 class RouteSpec(_Spec):

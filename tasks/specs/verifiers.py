@@ -5,7 +5,13 @@ the accuracy, never instead of it.
     exact     the completion's final answer equals the reference (whitespace-trimmed; ``case_sensitive``)
     numeric   both parse as numbers and differ by at most ``tolerance`` (absolute) or ``rel_tolerance``
     regex     ``pattern``'s ``group`` extracted from the completion (the last match), then compared exactly
-    math      math-verify's parse + verify of the completion against the reference (LaTeX, fractions, sets, ...)
+    math      math-verify's parse + verify of the completion against the reference (LaTeX, fractions, sets, ...);
+              on free text it reads the last number ("3 + 5 = 8, so 8." -> 8): an answer extractor, not a format check
+    last_number  the last number in the completion (signed, decimals, thousands commas), compared as ``numeric``
+              does: "8 + 5 = 13." -> 13; "To calculate 6 - 10 + 3, we need to add" -> 3 (never the question's
+              expression evaluated: math-verify credits that one with -1)
+    contains  the reference appears in the completion as a whole (not inside a longer word or number), wherever it
+              stands: "The reversed list is: c, b, a." holds "c, b, a"
     function  ``module:function``, the user's own: imported (never eval-ed), called as
               ``fn(completion: str, reference: str, row: dict) -> bool | float``
 
@@ -80,6 +86,30 @@ def regex(pattern: str, group: int | str = 1, case_sensitive: bool = True) -> Ve
             return 0.0
         got, want = (matches[-1].group(group) or "").strip(), str(reference).strip()
         return float(got == want if case_sensitive else got.casefold() == want.casefold())
+    return verify
+
+
+_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(tolerance: float = 1e-6, rel_tolerance: float = 0.0, answer_after: str = "") -> Verifier:
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        found = _NUMBER_RE.findall(final_answer(completion, answer_after))
+        got, want = (_number(found[-1]) if found else None), _number(str(reference))
+        if got is None or want is None:
+            return 0.0
+        return float(abs(got - want) <= max(tolerance, rel_tolerance * abs(want)))
+    return verify
+
+
+def contains(case_sensitive: bool = True, answer_after: str = "") -> Verifier:
+    def verify(completion: str, reference: str, row: Mapping[str, Any]) -> float:
+        want = str(reference).strip()
+        if not want:
+            return 0.0
+        pattern = rf"(?<![\w]){re.escape(want)}(?![\w])"
+        flags = 0 if case_sensitive else re.IGNORECASE
+        return float(re.search(pattern, final_answer(completion, answer_after), flags) is not None)
     return verify
 
 

@@ -11,7 +11,7 @@ import copy
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,12 +21,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tasks.modeling.device import autocast_for
 from tasks.objectives.combine import (PER_TOKEN, CombinedHead, normalized_weights, sampling_teacher, select_teachers,
                                       sequence_nll)
-from tasks.modeling.engines import ALL_VOCAB, VLLMRollout, rollout_with_logprobs
+from tasks.modeling.engines import ALL_VOCAB, VLLMRollout
 from tasks.objectives.losses import (DIAGNOSTICS, ExtrapolatedHead, Objective, ObjectiveResult, TokenInputs,
                                      chunked_objective, spread_scales)
 from tasks.modeling.rollout import (
     Rollout,
     cap_responses,
+    cut_at_stops,
     decode_responses,
     eos_ids,
     forward_hidden,
@@ -38,6 +39,7 @@ from tasks.modeling.rollout import (
 from tasks.evaluation.evaluate import right
 from tasks.modeling.teacher import Teacher, TeacherBatch, TeacherScore
 from tasks.specs.render import RowText
+from tasks.specs.spec import Sampling
 from tasks.specs.verifiers import Verifier
 
 OffPolicySource = Literal["teacher", "dataset"]
@@ -92,10 +94,10 @@ def repetition_rate(ids: list[int], n: int = 3) -> float:
 
 
 def verifier_rewards(tok: PreTrainedTokenizerBase, rollout: Rollout, routes: list[str], answers: list[str],
-                     verifiers: Mapping[str, Verifier]) -> torch.Tensor:
+                     verifiers: Mapping[str, Verifier], stops_B: Sequence[Sequence[str]] | None = None) -> torch.Tensor:
     """1.0 where the response is right by its route's verifier (a full score against its reference answer), else
-    0.0: ``[B]``."""
-    texts = decode_responses(tok, rollout)
+    0.0: ``[B]``. ``stops_B``: each row's stop strings (the verifier reads the text before the first)."""
+    texts = decode_responses(tok, rollout, stops_B)
     return torch.tensor([float(right(verifiers[r], [t], [a], [""])[0]) for r, a, t in zip(routes, answers, texts)])
 
 
@@ -114,31 +116,59 @@ def sample_batch(
     generator: torch.Generator | None = None,
     *,
     verifiers: Mapping[str, Verifier],
+    sampling: Mapping[str, Sampling] | None = None,
 ) -> Batch:
-    """On-policy rollouts of ``model`` (sampled at ``sample_temperature``, no top-k/top-p; each row cut at its route's
-    cap), by transformers (drawing from ``generator`` when given, else torch's global one) or by the vLLM ``engine``
-    holding ``model``'s weights. With ``with_logprobs`` the behaviour log-probs (sampling temperature) and the old
-    policy's log-probs (divergence temperature) of the sampled tokens are recorded for the importance ratio and the
-    per-token advantage; the engine's own log-probs serve as the behaviour log-probs. Responses end at any of
-    :func:`tasks.modeling.rollout.eos_ids`; log-probs are over the tokenizer's ``len(tok)`` ids."""
+    """On-policy rollouts of ``model``, each row cut at its route's cap, by transformers (drawing from ``generator``
+    when given, else torch's global one) or by the vLLM ``engine`` holding ``model``'s weights. Each row samples as
+    its route's ``sampling`` says (temperature, top-p, stop strings; a route without one, or no ``sampling``: at
+    ``sample_temperature``, no top-p, no stop string). With ``with_logprobs`` the behaviour log-probs (each row's
+    sampling temperature) and the old policy's log-probs (divergence temperature) of the sampled tokens are recorded
+    for the importance ratio and the per-token advantage; the engine's own log-probs serve as the behaviour
+    log-probs. Responses end at any of :func:`tasks.modeling.rollout.eos_ids` or at a stop string; log-probs are over
+    the tokenizer's ``len(tok)`` ids."""
+    rows = [(sampling or {}).get(r, Sampling(sample_temperature)) for r in routes]
+    temps_B, top_p_B, stops_B = [x.temperature for x in rows], [x.top_p for x in rows], [x.stop for x in rows]
+    uniform = len(set(temps_B)) == 1 and set(top_p_B) == {1.0}
+    temperature = temps_B[0] if uniform else temps_B
     tokens = None
-    if engine is not None and with_logprobs:
-        rollout, logq_beh_B_T, logq_old_B_T = rollout_with_logprobs(
-            engine, model, prompts, caps_B, sample_temperature, divergence_temperature)
-        tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_beh_B_T, logq_old_B_T)
-    elif engine is not None:
-        rollout, _ = engine.generate(prompts, caps_B, sample_temperature)
+    eos = eos_ids(tok, model) if engine is None else engine.eos
+    if engine is not None:
+        rollout, logq_beh_B_T = engine.generate(prompts, caps_B, temperature, top_p=top_p_B)
+        rollout = cut_at_stops(rollout, tok, stops_B, eos)
+        if with_logprobs:
+            if uniform and temps_B[0] == divergence_temperature:
+                logq_old_B_T = logq_beh_B_T
+            else:
+                (logq_old_B_T,) = token_logprobs(model, rollout, (divergence_temperature,), vocab_size=len(tok))
+            tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_beh_B_T, logq_old_B_T)
     else:
-        rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=sample_temperature,
-                           generator=generator)
-        rollout = cap_responses(rollout, caps_B, eos_ids(tok, model))
+        rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=temperature,
+                           generator=generator, top_p=top_p_B if not uniform else 1.0, stop=stops_B)
+        rollout = cap_responses(rollout, caps_B, eos)
     if with_logprobs and tokens is None:
-        temps = (sample_temperature,) if sample_temperature == divergence_temperature else (sample_temperature, divergence_temperature)
-        lp = token_logprobs(model, rollout, temps, vocab_size=len(tok))
-        tokens = TokenInputs(rollout.sequences_B_T[:, 1:], lp[0], lp[-1])
-    rewards_B = verifier_rewards(tok, rollout, routes, answers, verifiers)
+        temps = tuple(dict.fromkeys([*temps_B, divergence_temperature]))
+        lp = dict(zip(temps, token_logprobs(model, rollout, temps, vocab_size=len(tok))))
+        logq_beh_B_T = torch.stack([lp[t][b] for b, t in enumerate(temps_B)])
+        tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_beh_B_T, lp[divergence_temperature])
+    rewards_B = verifier_rewards(tok, rollout, routes, answers, verifiers, stops_B)
     return Batch(rollout, routes, answers, True, version, rewards_B, tokens, len(prompts),
                  int(rollout.response_lengths_B.sum()))
+
+
+def check_sampling(sampling: Mapping[str, Sampling], with_logprobs: bool, engine: bool) -> None:
+    """Refuse route sampling the policy-gradient terms cannot account for, before any rollout: a route at
+    temperature 0 has no behaviour distribution, and the transformers backend computes behaviour log-probs of the
+    whole tempered distribution, not of a nucleus (vLLM returns the nucleus's own)."""
+    if not with_logprobs:
+        return
+    for route, x in sampling.items():
+        if x.temperature == 0:
+            raise ValueError(f"route {route!r}: generate.temperature 0 (greedy rollouts) with a policy-gradient "
+                             "objective, whose importance ratio needs a sampling distribution: set a temperature > 0")
+        if x.top_p < 1 and not engine:
+            raise ValueError(f"route {route!r}: generate.top_p {x.top_p:g} with a policy-gradient objective on the "
+                             "transformers rollout backend, which records behaviour log-probs of the whole tempered "
+                             "distribution, not of the nucleus: set top_p 1, or opd.rollout_backend vllm")
 
 
 class OffPolicyData:
@@ -280,9 +310,11 @@ class BatchProducer:
         *,
         verifiers: Mapping[str, Verifier],
         row_texts: Mapping[tuple[str, str], RowText] | None = None,
+        sampling: Mapping[str, Sampling] | None = None,
     ):
         self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
-        self.verifiers, self.row_texts = verifiers, row_texts or {}
+        self.verifiers, self.row_texts, self.sampling = verifiers, row_texts or {}, dict(sampling or {})
+        check_sampling(self.sampling, with_logprobs, engine is not None)
         self.batch_size, self.with_logprobs, self.overlap, self.engine = batch_size, with_logprobs, overlap, engine
         self.temps = (sample_temperature, divergence_temperature)
         self.rollout_model = None
@@ -309,7 +341,7 @@ class BatchProducer:
         if on_policy:
             batch = sample_batch(model, self.tok, prompts, routes, answers, caps_B, version, *self.temps,
                                  with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator,
-                                 verifiers=self.verifiers)
+                                 verifiers=self.verifiers, sampling=self.sampling)
             batch.texts = texts
             return batch
         return self.offpolicy.batch(prompts, routes, answers, caps_B, self.generator, texts)

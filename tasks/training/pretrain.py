@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.config import PretrainConfig, WorldConfig
 from tasks.common.log import say
-from tasks.evaluation.evaluate import evaluate_routes
+from tasks.evaluation.evaluate import evaluate_prompt_set
 from tasks.modeling.device import place_trained
 from tasks.modeling.models import create_model, load_model, save_model
 from tasks.common.paths import models_dir, state_cache_policy
@@ -101,7 +101,7 @@ def _pretrain_base(cfg: PretrainConfig, prompt_set: str) -> dict:
     run_id = start_run("opd-base", f"base-{cfg.config_hash()}", config_params(cfg))
     train_sft(model, tok, train["prompt"], train["completion"], cfg.train, desc="base pre-training",
               on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s), answers=train["answer"])
-    scores = evaluate_routes(model, tok, ps.eval_sets(), ps.caps(), ps.verifiers)
+    scores = evaluate_prompt_set(model, tok, ps)
     log_metrics(run_id, {f"accuracy/{r}": s.accuracy for r, s in scores.items()}, cfg.train.steps)
     out = save_model(model, tok, models_dir() / f"base-{cfg.config_hash()}")
     end_run(run_id, {"model_uri": str(out)})
@@ -114,9 +114,10 @@ def given_base(base_model: str, prompt_set: str) -> dict:
     """A pretrained base the user gave: evaluated on every route's held-out prompts and recorded as the base."""
     ps = load_prompt_set(prompt_set)
     model = load_model(base_model).eval()
-    scores = evaluate_routes(model, ps.tokenizer(), ps.eval_sets(), ps.caps(), ps.verifiers)
+    scores = evaluate_prompt_set(model, ps.tokenizer(), ps)
     _record_base(base_model)
-    return {"uri": base_model, "accuracy": {r: s.accuracy for r, s in scores.items()}}
+    return {"uri": base_model, "accuracy": {r: s.accuracy for r, s in scores.items()},
+            "exact": {r: s.exact for r, s in scores.items()}}
 
 
 def latest_base() -> str:

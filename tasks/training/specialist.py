@@ -45,15 +45,17 @@ def specialist_dir(prompt_set: str, route: str, base_fingerprint: str, recipe: R
     return models_dir() / "specialists" / (f"{folder}-rl-{key}" if rl else f"{folder}-{key}")
 
 
-def log_eval(run_id: str, model, tok, route: str, verify, ev, cap: int, step: int) -> RouteScore:
-    """Greedy accuracy on the route's held-out prompts (``verify``: its verifier), logged as ``accuracy/<route>`` at
-    ``step``."""
-    score = evaluate_route(model, tok, verify, list(ev["prompt"]), list(ev["answer"]), cap)
-    log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length}, step)
+def log_eval(run_id: str, model, tok, route: str, verify, ev, cap: int, step: int, stop=(), exact=None) -> RouteScore:
+    """Greedy accuracy on the route's held-out prompts (``verify``: its verifier; ``stop``: its stop strings), logged
+    as ``accuracy/<route>`` at ``step``, with the exact-format figure (``exact``: the route's check) as
+    ``exact/<route>``."""
+    score = evaluate_route(model, tok, verify, list(ev["prompt"]), list(ev["answer"]), cap, stop=stop, exact=exact)
+    log_metrics(run_id, {f"accuracy/{route}": score.accuracy, f"response_length/{route}": score.response_length,
+                         **({f"exact/{route}": score.exact} if score.exact is not None else {})}, step)
     return score
 
 
-def train_rl(model, tok, route: str, verify, tr, ev, cap: int, rl: RLConfig, run_id: str) -> None:
+def train_rl(model, tok, route: str, verify, tr, ev, cap: int, rl: RLConfig, run_id: str, stop=()) -> None:
     """GRPO from the base on the route's training prompts with its verifier as the reward. Logs the mean reward,
     loss and response tokens of every step, and the held-out accuracy at step 0 and every ``rl.eval_every`` steps
     (the caller evaluates the last step)."""
@@ -63,10 +65,10 @@ def train_rl(model, tok, route: str, verify, tr, ev, cap: int, rl: RLConfig, run
         log_metrics(run_id, {f"rl/reward/{route}": st.reward[route], "train/loss": st.loss,
                              "rollout/tokens": st.rollout_tokens}, st.step)
         if st.step % rl.eval_every == 0 and st.step < rl.steps:
-            acc = log_eval(run_id, model, tok, route, verify, ev, cap, st.step).accuracy
+            acc = log_eval(run_id, model, tok, route, verify, ev, cap, st.step, stop).accuracy
             say(f"specialist {route} (rl) step {st.step}/{rl.steps}: reward {st.reward[route]:.3f}, accuracy {acc:.3f}")
 
-    log_eval(run_id, model, tok, route, verify, ev, cap, 0)
+    log_eval(run_id, model, tok, route, verify, ev, cap, 0, stop)
     run_grpo(model, tok, {route: (list(tr["prompt"]), list(tr["answer"]))}, rl, cap, on_step,
              verifiers={route: verify})
 
@@ -104,18 +106,20 @@ def train_specialist(prompt_set: str, route: str, base_uri: str, base_fingerprin
             train_sft(model, tok, tr["prompt"], tr["completion"], train, desc=f"specialist {route}",
                       on_log=lambda s, l: log_metrics(run_id, {"train/loss": l}, s), answers=tr["answer"])
         else:
-            train_rl(model, tok, route, verify, tr, ev, cap, train, run_id)
+            train_rl(model, tok, route, verify, tr, ev, cap, train, run_id, ps.stops()[route])
         # A LoRA specialist is saved, and evaluated as it teaches, merged into its base (its adapter beside it).
         model, out = save_trained(model, tok, specialist_dir(prompt_set, route, base_fingerprint, train))
-        score = log_eval(run_id, model, tok, route, verify, ev, cap, train.steps)
+        score = log_eval(run_id, model, tok, route, verify, ev, cap, train.steps, ps.stops()[route],
+                         ps.exact_verifiers[route])
         MlflowClient(tracking_uri()).log_artifacts(run_id, str(out), "checkpoint")  # what the model registry points at
     except BaseException:
         end_run(run_id, status="FAILED")  # a failed attempt must not look in progress; a retry starts a new run
         raise
     end_run(run_id, {"model_uri": str(out), "process": f"{socket.gethostname()}:{os.getpid()}"})
-    say(f"specialist {route}{' (rl)' if trainer == 'rl' else ''}: accuracy {score.accuracy:.3f} on {score.n} held-out "
-        f"prompts -> {out}")
-    return {"route": route, "uri": str(out), "accuracy": score.accuracy, "mlflow_run_id": run_id}
+    fmt = f" (exact format {score.exact:.3f})" if score.exact is not None and score.exact != score.accuracy else ""
+    say(f"specialist {route}{' (rl)' if trainer == 'rl' else ''}: accuracy {score.accuracy:.3f}{fmt} on {score.n} "
+        f"held-out prompts -> {out}")
+    return {"route": route, "uri": str(out), "accuracy": score.accuracy, "exact": score.exact, "mlflow_run_id": run_id}
 
 
 def train_own_template_specialist(prompt_set: str, route: str, base_uri: str, student_tok, train: TrainConfig,
