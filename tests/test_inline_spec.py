@@ -118,7 +118,8 @@ def test_a_bad_inline_spec_is_refused_like_the_file_before_any_training(tmp_path
     del bad["routes"][2]["data"]["source"]  # a missing field
     bad["routes"][1]["verify"]["kind"] = "fuzzy"  # an unknown verifier kind
     expected = ["routes[letters].data.source: Field required",
-                "routes[reverse-think].verify.kind: Input should be 'exact', 'numeric', 'regex', 'math' or 'function' "
+                "routes[reverse-think].verify.kind: Input should be 'exact', 'numeric', 'regex', 'math', 'last_number', 'contains' "
+                    "or 'function' "
                 "(got 'fuzzy')"]
     assert sorted(file_problems(tmp_path, bad)) == expected
     # At construction (the Prefect form's parameters, the command line): the same problems, named "inline spec".
