@@ -1,5 +1,6 @@
-"""Flow `compare-merges`: retention per route across merge runs, with the config fields that differ between them, as
-a table and a chart, logged to MLflow (experiment `opd-compare`) and published as Prefect artifacts.
+"""Flow `compare-merges`: retention per route across merge runs, each run in sum (mean and worst retention, gain
+recovered, exact-format score, minutes, student tokens) and the config fields that differ between them, as tables and
+a chart, logged to MLflow (experiment `opd-compare`) and published as Prefect artifacts.
 
 Run:  python -m flows.compare                                   # the 10 newest finished merges of `opd-merge`
       python -m flows.compare --run_ids '["<id1>", "<id2>"]'
@@ -15,7 +16,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import Field
 
 from flows.names import from_parameters, stamp
-from tasks.evaluation.compare import differing_params, find_runs, grouped_bars, retention_rows, routes_of
+from tasks.evaluation.compare import (SUMMARY_HEADERS, differing_params, find_runs, grouped_bars, retention_rows,
+                                      routes_of, summary_rows)
 from tasks.config import _Config
 from tasks.common.log import link, redact, say
 from tasks.preflight import InputError, Problem
@@ -76,15 +78,19 @@ def compare_merges(cfg: CompareConfig = CompareConfig()) -> dict:
     routes = routes_of(runs)
     rows = retention_rows(runs, routes)
     headers = ["run", "run id", *routes, "mean"]
+    summary = summary_rows(runs, routes)
     diff = differing_params(runs)
     table = format_table(headers, [[r[0], r[1][:8], *r[2:]] for r in rows])
+    summary_table = format_table(SUMMARY_HEADERS, [[r[0], r[1][:8], *r[2:]] for r in summary])
     diff_table = format_table(["field", *(r[1][:8] for r in rows)], [[k, *v] for k, v in diff.items()])
-    say(f"retention per route across {len(runs)} merges:\n{table}\n\nconfig fields that differ:\n{diff_table}")
+    say(f"retention per route across {len(runs)} merges:\n{table}\n\neach merge in sum:\n{summary_table}\n\n"
+        f"config fields that differ:\n{diff_table}")
 
     out = start_run(cfg.output_experiment, _name(cfg), {"compared_runs": ",".join(r[1] for r in rows),
                                                         "routes": ",".join(routes)})
     records = [dict(zip(headers, r)) for r in rows]
     log_table(out, records, "retention_by_run.json")
+    log_table(out, [dict(zip(SUMMARY_HEADERS, r)) for r in summary], "summary_by_run.json")
     if diff:
         log_table(out, [{"field": k, **{r[1]: v for r, v in zip(rows, vals)}} for k, vals in diff.items()],
                   "differing_params.json")
@@ -100,7 +106,8 @@ def compare_merges(cfg: CompareConfig = CompareConfig()) -> dict:
                                              for k, vals in diff.items()),
         key="merge-comparison-config", description="Config fields whose values differ between the compared runs")
     link(run_url(out), "MLflow comparison run (table and chart)", "merge-comparison-mlflow")
-    return {"run_id": out, "headers": headers, "rows": rows, "differing": diff, "table": table}
+    return {"run_id": out, "headers": headers, "rows": rows, "summary": summary, "differing": diff, "table": table,
+            "summary_table": summary_table}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -21,7 +21,8 @@ from pydantic import Field
 
 from flows.names import from_parameters, stamp
 from tasks.config import SpecInput, WorldConfig, _Config, pipeline_config, spec_field
-from tasks.evaluation.evaluate import below_base, evaluate_route, mean_retention, retention_row, teacher_metrics
+from tasks.evaluation.evaluate import (RouteScore, below_base, evaluate_prompt_set, mean_retention, retention_row,
+                                      teacher_metrics)
 from tasks.common.log import link, say
 from tasks.modeling.models import load_model
 from tasks.preflight import CONFIG, Problem, check_checkpoint
@@ -124,30 +125,33 @@ def evaluate(cfg: EvaluateConfig = EvaluateConfig()) -> dict:
     ps = load_prompt_set(prompt_set_task(cfg.spec, cfg.world, local))
     tok = load_tokenizer(local)
     router = Router.for_merge(TeacherRegistry(), ps.routes, cfg.teachers, ps.spec)
-    caps, sets = ps.caps(), ps.eval_sets()
+    sets = ps.eval_sets()
 
-    def accuracy(uri: str, routes: list[str]) -> dict[str, float]:
+    def scores(uri: str, routes: list[str]) -> dict[str, RouteScore]:
         model = load_model(uri).eval()  # one load per checkpoint, for all of its routes
-        return {r: evaluate_route(model, tok, ps.verifier(r), *sets[r], caps[r], stop=ps.stops()[r]).accuracy
-                for r in routes}
+        return evaluate_prompt_set(model, tok, ps, {r: sets[r] for r in routes})
 
-    model_acc = accuracy(local, ps.routes)
-    base_acc = accuracy(base, ps.routes) if base else dict.fromkeys(ps.routes)
+    model_s = scores(local, ps.routes)
+    base_s = scores(base, ps.routes) if base else dict.fromkeys(ps.routes)
     if not base:
         why = f"base_uri {NO_BASE!r}" if cfg.base_uri == NO_BASE else "no base model recorded here"
         say(f"no base measured ({why}): base_accuracy and gain_recovered are left empty")
     names = {r: [t.name for t in router.teachers_for(r)] for r in ps.routes}  # the primary first
-    measured = {t.name: accuracy(t.model_uri, [r for r in ps.routes if t.name in names[r]]) for t in router.teachers()}
-    each = {r: {name: measured[name][r] for name in names[r]} for r in ps.routes}
+    measured = {t.name: scores(t.model_uri, [r for r in ps.routes if t.name in names[r]]) for t in router.teachers()}
+    each = {r: {name: measured[name][r].accuracy for name in names[r]} for r in ps.routes}
     rows = []
     for r in ps.routes:
         best = max(each[r], key=each[r].get)  # a tie goes to the first (the primary)
-        rows.append({**retention_row(r, best, model_acc[r], each[r][best], base_acc[r]),
-                     "model_accuracy": model_acc[r], "teacher_accuracies": each[r]})
+        rows.append({**retention_row(r, best, model_s[r].accuracy, each[r][best],
+                                     base_s[r] and base_s[r].accuracy),
+                     "base_exact": base_s[r] and base_s[r].exact, "teacher_exact": measured[best][r].exact,
+                     "student_exact": model_s[r].exact, "model_accuracy": model_s[r].accuracy,
+                     "teacher_accuracies": each[r]})
     run_id = start_run(cfg.experiment, _name(cfg), config_params(cfg),
                        {"model_local_path": local, **({"base_local_path": base} if base else {})})
     metrics = {f"{k}/{row['route']}": row[k] for row in rows
                for k in ("retention", "model_accuracy", "base_accuracy", "gain_recovered") if row[k] is not None}
+    metrics |= {f"exact/{row['route']}": row["student_exact"] for row in rows}
     metrics |= teacher_metrics("teacher_accuracy", each)
     metrics["retention/mean"] = mean_retention(rows)
     log_metrics(run_id, metrics, 0)

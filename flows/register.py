@@ -37,6 +37,8 @@ class RegisterConfig(_Config):
     trust_remote_code: bool = Field(False, description="Allow the checkpoint's own modelling code (off by default).")
     endpoint: str = Field("", description="vLLM OpenAI-compatible server serving it (http://host:port); checked "
                           "against the checkpoint's log-probs before registering.")
+    base_model: str = Field("", description="For a LoRA adapter folder as model_uri: the base it applies to (local "
+                            "folder or hub id); empty = the one its adapter_config.json names. Checked at every load.")
     mlflow: bool = Field(True, description="Also register it in the MLflow model registry (model teacher-ROUTE).")
     wrapper: Literal["plain", "aligned"] = Field(
         "plain", description="plain: it shares the student's tokenizer and scores the student's tokens as they are; "
@@ -66,7 +68,7 @@ def register_teacher(cfg: RegisterConfig) -> dict:
         cfg.name, cfg.route, cfg.model_uri, cfg.student_tokenizer or str(world_dir() / "tokenizer"),
         eval_score=cfg.eval_score, provenance=Provenance(source="register-teacher"), replace=cfg.replace,
         trust_remote_code=cfg.trust_remote_code, endpoint=cfg.endpoint, wrapper=cfg.wrapper,
-        messages=route_messages(cfg.spec, cfg.route) if cfg.spec else None,
+        messages=route_messages(cfg.spec, cfg.route) if cfg.spec else None, base_model=cfg.base_model,
     )
     out = {"name": record.name, "route": record.route, "model_uri": record.model_uri}
     say(f"registered teacher {record.name} for route {record.route} ({record.model_uri})")

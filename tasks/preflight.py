@@ -228,12 +228,13 @@ def weights_problems(folder: Path, field_name: str) -> list[Problem]:
 
 
 def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
-                     grant: str = ", or trust_remote_code: true in its registry entry") -> Checkpoint:
+                     grant: str = ", or trust_remote_code: true in its registry entry", base: str = "") -> Checkpoint:
     """The cheap checks of one checkpoint (local folder or hub id); ``grant`` ends the expectation when the config asks
-    for custom code (how it could be allowed, if at all)."""
+    for custom code (how it could be allowed, if at all); ``base``: the base a LoRA adapter folder loads onto, where
+    its registry record names one (else the one its adapter_config.json names)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
-    from tasks.common.adapters import ADAPTER_CONFIG, adapter_base
+    from tasks.common.adapters import ADAPTER_CONFIG, base_of
     from tasks.specs.tokenizer import load_tokenizer
 
     ck = Checkpoint(uri)
@@ -245,15 +246,16 @@ def check_checkpoint(uri: str, field_name: str, trust_remote_code: bool = False,
                                        "config.json, *.safetensors weights and the tokenizer files"))
             return ck
         try:
-            base = adapter_base(folder)
+            base = base_of(folder, base)
         except ValueError as e:
-            ck.problems.append(Problem(str(folder / ADAPTER_CONFIG), field_name, str(e)))
-            return ck
+            if not base:
+                ck.problems.append(Problem(str(folder / ADAPTER_CONFIG), field_name, str(e)))
+                return ck
         if base is not None:  # a LoRA adapter folder: its base is the checkpoint, its own weights the adapter's
             inner = check_checkpoint(base, f"{field_name} (the adapter's base)", trust_remote_code, grant)
             ck.config, ck.problems = inner.config, inner.problems + weights_problems(folder, field_name)
             try:
-                ck.tokenizer = load_tokenizer(uri, trust_remote_code=trust_remote_code)
+                ck.tokenizer = load_tokenizer(uri, trust_remote_code=trust_remote_code, base=base)
             except Exception as e:
                 ck.problems.append(Problem(uri, f"{field_name} (tokenizer)", f"tokenizer does not load "
                                            f"({_first_line(e)}); expected tokenizer files with the adapter or its base"))
@@ -407,8 +409,12 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts:
 
     name = f"teacher {rec.name!r}"
     grant = f", or trust_remote_code: true granted in its registry entry ({registry_file})"
-    ck = check_checkpoint(rec.model_uri, f"{name}.model_uri", rec.trust_remote_code, grant)
-    problems = list(ck.problems)
+    from tasks.modeling.models import base_problems
+
+    base = getattr(rec, "base_model", "")
+    ck = check_checkpoint(rec.model_uri, f"{name}.model_uri", rec.trust_remote_code, grant, base)
+    problems = list(ck.problems) + [Problem(registry_file, f"{name}.base_model", p)
+                                    for p in base_problems(rec.model_uri, base, getattr(rec, "base_fingerprint", ""))]
     aligned = getattr(rec, "wrapper", "plain") == "aligned"
     if ck.tokenizer is not None:
         own = getattr(ck.tokenizer, "chat_template", None)

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--student_tokenizer", default=None, help="path or hub id (default: <state dir>/world/tokenizer)")
     reg.add_argument("--spec", default="", help="route spec file the route must be one of; on a chat route the "
                      "teacher's chat template is checked against the route's prompt (empty = not checked)")
+    reg.add_argument("--base_model", default="", help="for a LoRA adapter folder as --model_uri: the base it applies "
+                     "to (local folder or hub id); default: the one its adapter_config.json names")
     reg.add_argument("--eval_score", type=float, default=None, help="accuracy on its route, in [0, 1]")
     reg.add_argument("--replace", action="store_true", help="overwrite a teacher of the same name")
     reg.add_argument("--wrapper", choices=["plain", "aligned"], default="plain",
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace) -> None:
             parity_tol=args.parity_tol,
             wrapper=args.wrapper,
             messages=_route_messages(args),
+            base_model=args.base_model,
         )
         print(f"registered {record.name} (route {record.route}, tokenizer {record.tokenizer_fingerprint}) "
               f"in {registry.path}")

@@ -122,7 +122,12 @@ def preflight_pipeline(cfg, registry=None, say_warnings: bool = True) -> Report:
         return finish([Problem(CONFIG, "base_model", str(e))], Report(), say_warnings)
     ps, problems = spec_problems(cfg, base_model, cfg.model.max_positions)
     problems += device_problems(cfg) + registry_problems(registry)[1]
-    prefix = cfg.specialists("").name_prefix
+    specialists = cfg.specialists("")
+    if ps is not None:  # each route's spec `specialist` fields against the recipe its specialist trains with
+        from tasks.training.specialist import recipe_problems
+
+        problems += recipe_problems(ps.spec, specialists.rl if specialists.trainer == "rl" else specialists.train)
+    prefix = specialists.name_prefix
     for route in (ps.routes if ps is not None else []):
         try:
             check_name(f"{prefix}-{route}")

@@ -116,6 +116,12 @@ class TeacherRecord(BaseModel):
         "another tokenizer and chat template, which renders each row its own way and is aligned to the student's "
         "tokens by their bytes"
     )
+    base_model: str = Field(
+        "", description="for a LoRA adapter folder (peft's format) as model_uri: the base it applies to, a local "
+        "folder or hub id (registration fills in the one its adapter_config.json names); checked at every load: a "
+        "local base must still have the weights it had at registration. Empty for a full checkpoint"
+    )
+    base_fingerprint: str = Field("", description="checkpoint fingerprint of a local base_model at registration")
 
     @field_validator("name")
     @classmethod
@@ -170,6 +176,37 @@ def _endpoint_parity_problems(name, uri, endpoint, tok, tol, trust_remote_code) 
     except Exception as e:  # an unreachable server, a refusal and a mismatch all mean: do not register it
         return [f"endpoint {endpoint}: {type(e).__name__}: {_first_line(e)}"]
     return []
+
+
+def _adapter_base(uri: str, base_model: str, problems: list[str]) -> tuple[str | None, str]:
+    """The base a checkpoint being registered loads onto and its weights' fingerprint: (None, "") for a full
+    checkpoint; for a LoRA adapter folder ``base_model`` (a local path made absolute) or the one its config names.
+    Appends to ``problems`` what makes it unusable: a base named for a full checkpoint, a local base that is not
+    there, a named base that is not the adapter's own (both local, other weights)."""
+    from tasks.common.adapters import adapter_base
+    from tasks.modeling.models import base_problems, checkpoint_fingerprint
+
+    try:
+        named = adapter_base(uri)
+    except ValueError as e:  # an adapter config naming no base: only an explicit base_model makes it loadable
+        if not base_model:
+            problems.append(str(e) + " (or name it: base_model)")
+            return None, ""
+        named = None
+    if named is None and not base_model:
+        return None, ""
+    problems += base_problems(uri, base_model)
+    base = base_model or named
+    local = Path(base).expanduser()
+    if not local.is_dir():
+        return base, ""
+    base, fp = str(local.resolve()), checkpoint_fingerprint(local)
+    theirs = Path(named).expanduser() if named else None
+    if base_model and theirs is not None and theirs.is_dir() and theirs.resolve() != local.resolve() \
+            and checkpoint_fingerprint(theirs) != fp:
+        problems.append(f"base_model {base_model} is not the base the adapter names ({named}, other weights): an "
+                        "adapter applies only to the weights it was trained on; expected that base or a copy of it")
+    return base, fp
 
 
 def _validation_parts(err: ValidationError, where: str) -> tuple[str, str]:
@@ -254,6 +291,7 @@ class TeacherRegistry:
         parity_tol: float = 1e-3,
         wrapper: str = "plain",
         messages: list[dict[str, str]] | None = None,
+        base_model: str = "",
     ) -> TeacherRecord:
         """Check that any HF checkpoint can teach the student, then add it; nothing is written unless it can.
 
@@ -264,11 +302,16 @@ class TeacherRegistry:
         as chat messages, when the route renders chat): the teacher's chat template must render them as the
         student's does, or, for an ``aligned`` teacher (``wrapper``: another tokenizer and template, read through
         :mod:`tasks.modeling.alignment`), it must have a chat template at all. An aligned teacher needs a fast
-        tokenizer and none of the same-tokenizer checks.
+        tokenizer and none of the same-tokenizer checks. A plain teacher's stop tokens (its EOS and its generation
+        config's) must be tokens the student can produce, as the merge's preflight checks. A LoRA adapter folder
+        loads onto ``base_model`` where given (else the base its adapter_config.json names), which is recorded with
+        its weights' fingerprint; a named base that disagrees with the adapter's own (both local, other weights) is
+        refused.
         """
         # Imported here so that list/show/remove (and the CLI) do not pay for importing transformers.
         from tasks.modeling.models import model_config
         from tasks.modeling.alignment import aligned_problems
+        from tasks.preflight import stop_token_problems
         from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
 
         uri = str(model_uri)
@@ -284,14 +327,15 @@ class TeacherRegistry:
                 check(value)
             except ValueError as e:
                 problems.append(str(e))
+        base, base_fp = _adapter_base(uri, base_model, problems)
         # transformers raises OSError, ValueError, KeyError, ... depending on what is missing; all mean "not loadable".
         config = teacher_tok = None
         try:
-            config = model_config(uri, trust_remote_code=trust_remote_code)  # an adapter: its base's
+            config = model_config(uri, trust_remote_code=trust_remote_code, base=base)  # an adapter: its base's
         except Exception as e:
             problems.append(f"config does not load: {type(e).__name__}: {_first_line(e)}")
         try:
-            teacher_tok = load_tokenizer(uri, trust_remote_code=trust_remote_code)
+            teacher_tok = load_tokenizer(uri, trust_remote_code=trust_remote_code, base=base)
         except Exception as e:
             problems.append(f"tokenizer does not load: {type(e).__name__}: {_first_line(e)}")
         if not isinstance(reference_tokenizer, (str, Path)):
@@ -320,6 +364,8 @@ class TeacherRegistry:
             vocab_size = getattr(config, "vocab_size", None)
             if isinstance(vocab_size, int) and vocab_size < len(ref_tok):
                 problems.append(f"model vocab_size {vocab_size} < {len(ref_tok)} tokens of the student tokenizer")
+            problems += [f"{p.file}: {p.message}" for p in stop_token_problems(uri, teacher_tok, config, ref_tok,
+                                                                                  "model_uri")]
         try:
             check_endpoint(endpoint)
         except ValueError as e:
@@ -340,6 +386,8 @@ class TeacherRegistry:
                 trust_remote_code=trust_remote_code,
                 endpoint=endpoint,
                 wrapper=wrapper,
+                base_model=base or "",
+                base_fingerprint=base_fp,
             )
         except ValidationError as e:
             raise RegistryError(": ".join(_validation_parts(e, f"teacher {name!r}"))) from e

@@ -116,3 +116,76 @@ def test_an_adapter_folder_registers_passes_the_preflight_and_teaches_as_its_mer
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
     (problem,) = check_checkpoint(str(adapter), "teacher 'adapter-teacher'.model_uri").problems
     assert problem.file.endswith("adapter_config.json") and "names no base_model_name_or_path" in problem.message
+
+
+def test_an_adapter_teacher_names_its_base_in_the_registry_and_every_load_checks_it(lora_experts, tmp_path):
+    """An adapter saved on another machine names a base path that is not here: registered with ``base_model`` (the
+    local copy) it loads onto that base, as the merged specialist; the record keeps the base's fingerprint, and a
+    base whose weights changed since is refused at load and by the preflight, before any weight is read. A base
+    named for a full checkpoint, or one other than the adapter's own, is refused at registration."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tasks.merging.merge import _load_teacher
+    from tasks.modeling.models import checkpoint_fingerprint, load_model
+    from tasks.preflight import check_checkpoint, teacher_problems
+    from tasks.specs.tokenizer import load_tokenizer
+    from teachers.registry import IncompatibleTeacher, TeacherRegistry
+
+    base_dir, experts = lora_experts
+    base_copy = shutil.copytree(base_dir, tmp_path / "base-copy")
+    adapter = shutil.copytree(Path(experts[0]) / "adapter", tmp_path / "adapter-elsewhere")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config,
+                                                            "base_model_name_or_path": "/nonexistent/their-base"}))
+    registry = TeacherRegistry(tmp_path / "registry.json")
+    with pytest.raises(IncompatibleTeacher, match="config does not load"):  # the named base is not here
+        registry.register_checkpoint("t", "arith-answer", adapter, base_dir)
+    rec = registry.register_checkpoint("t", "arith-answer", adapter, base_dir, base_model=str(base_copy))
+    assert rec.base_model == str(base_copy.resolve())
+    assert rec.base_fingerprint == checkpoint_fingerprint(base_dir) and rec.base_fingerprint.startswith("sha256:")
+    assert registry.get("t").base_model == rec.base_model  # written to the registry file
+    assert check_checkpoint(str(adapter), "teacher 't'.model_uri", base=rec.base_model).problems == []
+    student_tok = load_tokenizer(base_dir)
+    ids_B_T = torch.tensor([[1, 504, 3299, 28, 2, 30]])
+    with torch.no_grad():
+        torch.testing.assert_close(_load_teacher(rec, student_tok)(ids_B_T).logits,
+                                   load_model(experts[0])(ids_B_T).logits, atol=1e-5, rtol=1e-4)
+
+    # The base changes in place after registration (re-converted, fine-tuned): refused at load, and by the preflight.
+    weights = next(base_copy.glob("*.safetensors"))
+    tensors = load_file(weights)
+    key = next(k for k in tensors if k.endswith("q_proj.weight"))
+    save_file({**tensors, key: tensors[key] + 0.01}, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="the base changed since the adapter was registered"):
+        _load_teacher(rec, student_tok)
+    student = check_checkpoint(str(base_dir), "student_uri")
+    problems = teacher_problems(rec, student, str(registry.path), None, "")
+    assert [p.field for p in problems if "base changed" in p.message] == ["teacher 't'.base_model"]
+
+    # A base named for a full checkpoint; a base other than the one the adapter names (both here, other weights).
+    with pytest.raises(IncompatibleTeacher, match="is a full checkpoint"):
+        registry.register_checkpoint("full", "arith-answer", experts[1], base_dir, base_model=str(base_dir))
+    with pytest.raises(IncompatibleTeacher, match="is not the base the adapter names"):
+        registry.register_checkpoint("other", "arith-answer", Path(experts[0]) / "adapter", base_dir,
+                                     base_model=str(base_copy))
+    assert registry.names() == ["t"]
+
+
+def test_registration_refuses_stop_tokens_the_student_cannot_produce(lora_experts, tmp_path):
+    """The preflight's stop-token check runs at registration too: a teacher whose generation config stops on an id
+    past the student's vocabulary is refused, naming the file and the ids, and nothing is written."""
+    import shutil
+
+    from teachers.registry import IncompatibleTeacher, TeacherRegistry
+
+    base_dir, experts = lora_experts
+    teacher = shutil.copytree(experts[0], tmp_path / "teacher", ignore=shutil.ignore_patterns("adapter"))
+    (teacher / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1_000_000]}))
+    registry = TeacherRegistry(tmp_path / "registry.json")
+    with pytest.raises(IncompatibleTeacher, match=r"generation_config.json: stop token ids \[1000000\]"):
+        registry.register_checkpoint("t", "arith-answer", teacher, base_dir)
+    assert registry.list() == []
+    (teacher / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert registry.register_checkpoint("t", "arith-answer", teacher, base_dir).base_model == ""

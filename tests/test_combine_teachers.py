@@ -398,9 +398,7 @@ def test_evaluate_measures_every_teacher_of_a_route_and_the_base(setup, prefect_
     import flows.evaluate
     from flows.evaluate import NO_BASE, EvaluateConfig, evaluate
     from tasks.modeling.models import create_model, save_model
-    from tasks.specs.prompt_set import load_prompt_set
     from tasks.tracking.runs import tracking_uri
-    from tasks.training.pretrain import prompt_set_task
     from tasks.world.tokenizer import build_char_tokenizer
 
     root, tok = setup["root"], build_char_tokenizer()
@@ -408,22 +406,21 @@ def test_evaluate_measures_every_teacher_of_a_route_and_the_base(setup, prefect_
     if not base.exists():
         save_model(create_model(tok, seed=9, **TINY), tok, base)
     spec, student = combined_spec(setup, "select", []), str(root / "student")
-    sets = load_prompt_set(prompt_set_task(str(spec), setup["world"], student)).eval_sets()  # the flow's own
-    route_of = {tuple(prompts): r for r, (prompts, _) in sets.items()}
     loaded, said = [], []
-    real_load, real_evaluate = flows.evaluate.load_model, flows.evaluate.evaluate_route
+    real_load, real_evaluate = flows.evaluate.load_model, flows.evaluate.evaluate_prompt_set
 
     def load_spy(uri, *args, **kwargs):
         loaded.append(Path(uri).name)
         return real_load(uri, *args, **kwargs)
 
-    def evaluate_spy(model, tok, verify, prompts, *args, **kwargs):
-        score = real_evaluate(model, tok, verify, prompts, *args, **kwargs)
-        return dataclasses.replace(score, accuracy=ACCURACY[Path(model.name_or_path).name, route_of[tuple(prompts)]])
+    def evaluate_spy(model, tok, ps, eval_sets):
+        scores = real_evaluate(model, tok, ps, eval_sets)
+        return {r: dataclasses.replace(s, accuracy=ACCURACY[Path(model.name_or_path).name, r])
+                for r, s in scores.items()}
 
     monkeypatch.setenv("OPD_REGISTRY", str(setup["registry"].path))
     monkeypatch.setattr(flows.evaluate, "load_model", load_spy)
-    monkeypatch.setattr(flows.evaluate, "evaluate_route", evaluate_spy)
+    monkeypatch.setattr(flows.evaluate, "evaluate_prompt_set", evaluate_spy)
     monkeypatch.setattr(flows.evaluate, "say", said.append)
     cfg = EvaluateConfig(spec=str(spec), model_uri=student, base_uri=str(base), experiment="test-combine-eval")
     out = evaluate(cfg)

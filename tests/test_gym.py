@@ -32,8 +32,8 @@ def test_the_real_profiles_routes_are_generated_deduplicated_and_held_out_by_pro
         train, held = list(split["train"]["prompt"]), list(split["eval"]["prompt"])
         assert len(held) == len(set(held)) == 100, name
         assert len(train) == len(set(train)) and not set(train) & set(held), name
-    # The generator repeats questions (1,300 drawn, fewer distinct): duplicates are dropped, not held out twice.
-    assert len(rows["arith-answer"]["train"]) + 100 < 1300
+    # The generator repeats questions (8,000 drawn, 3,062 distinct): duplicates are dropped, not held out twice.
+    assert len(rows["arith-answer"]["train"]) + 100 < spec.routes[0].data.size
     # Two budgets of one task hold out the same prompts (same rows, same seed): neither route trains on the other's.
     assert list(rows["arith-answer"]["eval"]["prompt"]) == list(rows["arith-steps"]["eval"]["prompt"])
     steps = rows["arith-steps"]["train"][0]
@@ -69,7 +69,10 @@ def test_the_real_profile_is_smollm2_with_lora_specialists_on_the_gym_routes():
 
     cfg = pipeline_config("real")
     assert cfg.spec == str(ROUTES) and cfg.base_model == "smollm2-135m-instruct"
-    assert cfg.specialist_train.lora_rank == 16 and cfg.specialist_train.steps == 150 and cfg.opd.steps == 150
+    assert cfg.specialist_train.lora_rank == 16 and cfg.specialist_train.steps == 150 and cfg.opd.steps == 240
+    assert cfg.specialist_train.dtype == cfg.opd.dtype == "bf16"
+    # the answer-only route trains longer (its own recipe in the spec); the others take the profile's
+    assert {r.name: r.specialist for r in load_spec(ROUTES).routes}["arith-answer"] == {"steps": 600}
     assert pipeline_config("default").specialist_train.lora_rank == 0  # the built-in world stays full fine-tuning
 
 

@@ -217,6 +217,7 @@ def test_champion_alias_follows_the_best_mean_retention(quick_run, second_merge)
 
 def test_compare_merges_tabulates_retention_and_the_fields_that_differ(quick_run, second_merge):
     from flows.compare import CompareConfig, compare_merges
+    from tasks.evaluation.compare import SUMMARY_HEADERS
 
     cfg, first = quick_run
     out = compare_merges(CompareConfig(run_ids=[first["run_id"], second_merge["run_id"]]))
@@ -226,12 +227,25 @@ def test_compare_merges_tabulates_retention_and_the_fields_that_differ(quick_run
         row = by_id[res["run_id"]]
         assert row[-1] == pytest.approx(res["mean_retention"])
         assert row[2:-1] == pytest.approx([r["retention"] for r in res["rows"]])
+    # Each run in sum: worst route, mean gain recovered and exact score over its routes, minutes, student tokens.
+    summary = {row[1]: dict(zip(SUMMARY_HEADERS, row)) for row in out["summary"]}
+    for res in (first, second_merge):
+        line, metrics = summary[res["run_id"]], MlflowClient(tracking_uri()).get_run(res["run_id"]).data.metrics
+        assert line["mean retention"] == pytest.approx(res["mean_retention"])
+        assert line["worst retention"] == pytest.approx(min(r["retention"] for r in res["rows"]))
+        gains = [r["gain_recovered"] for r in res["rows"]]
+        assert line["mean gain rec."] == pytest.approx(sum(gains) / len(gains))
+        assert line["mean student exact"] == pytest.approx(sum(r["student_exact"] for r in res["rows"]) / len(gains))
+        assert line["student tokens"] == metrics["rollout/student_tokens"] > 0
+        assert 0 < line["minutes"] < 60
+    assert summary[first["run_id"]]["student tokens"] > summary[second_merge["run_id"]]["student tokens"]
+    assert "mean gain rec." in out["summary_table"]
     assert {"opd.loss", "opd.steps", "opd.eval_every"} <= set(out["differing"])
     assert out["differing"]["opd.loss"] == ["reverse_kl", "forward_kl"]
     assert "world.routes" not in out["differing"]
     client = MlflowClient(tracking_uri())
     files = {a.path for a in client.list_artifacts(out["run_id"])}
-    assert {"retention_by_run.json", "retention_by_run.png", "differing_params.json"} <= files
+    assert {"retention_by_run.json", "summary_by_run.json", "retention_by_run.png", "differing_params.json"} <= files
     # By search instead of ids: the newest finished merges of the experiment (here these two), and a filter.
     searched = compare_merges(CompareConfig(experiment=cfg.experiment, max_runs=2))
     assert {row[1] for row in searched["rows"]} == {first["run_id"], second_merge["run_id"]}

@@ -140,9 +140,11 @@ def test_register_checkpoint_fills_fingerprint(tmp_path, tok, ckpt):
 
 
 def test_register_checkpoint_the_project_did_not_train(tmp_path, tok):
-    # Any folder with an HF config and a compatible tokenizer is a teacher; architecture and weights are its own.
+    # Any folder with an HF config and a compatible tokenizer is a teacher; architecture and weights are its own. (Its
+    # stop token must be one the student can produce: gpt2's default, 50256, is not a token of this vocabulary.)
     foreign = tmp_path / "foreign"
-    AutoConfig.for_model("gpt2", vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2).save_pretrained(foreign)
+    AutoConfig.for_model("gpt2", vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id).save_pretrained(foreign)
     save_tokenizer(tok, foreign)
     rec = TeacherRegistry(tmp_path / "r.json").register_checkpoint("gpt2-rev", "rev-low", foreign, tok)
     assert (rec.name, rec.route, rec.tokenizer_fingerprint) == ("gpt2-rev", "rev-low", tokenizer_fingerprint(tok))

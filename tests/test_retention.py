@@ -119,3 +119,20 @@ def test_a_route_left_below_its_base_is_named_in_the_summary_with_both_accuracie
     assert below_base(rows) == ("warning: the student ended below its base on 1 route(s): sort-high (student 0.660 < "
                                 "base 0.675)")
     assert below_base(rows[1:]) == ""
+
+
+def test_the_retention_table_shows_exact_format_scores_only_where_a_verifier_is_lenient():
+    from tasks.evaluation.evaluate import retention_row
+    from tasks.tracking.runs import format_retention_table
+
+    strict = [{**retention_row("rev", "t", 0.8, 0.9, 0.1), "base_exact": 0.1, "teacher_exact": 0.9,
+               "student_exact": 0.8}]
+    assert "exact" not in format_retention_table(strict)  # exact match everywhere: the columns would repeat
+    lenient = [{**retention_row("arith", "t", 0.75, 0.9, 0.06), "base_exact": 0.0, "teacher_exact": 0.9,
+                "student_exact": 0.7}]
+    lines = format_retention_table(strict + lenient).splitlines()
+    assert lines[0].split()[-6:] == ["base", "exact", "teacher", "exact", "student", "exact"]
+    cells = lines[3].split()
+    assert cells[0] == "arith" and [float(c) for c in cells[-3:]] == [0.0, 0.9, 0.7]
+    # gain recovered (0.75 - 0.06) / (0.9 - 0.06) = 0.821..., retention 0.75 / 0.9 = 0.833...
+    assert [float(c) for c in cells[-5:-3]] == pytest.approx([0.8333, 0.8214], abs=6e-4)

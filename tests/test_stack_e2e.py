@@ -250,6 +250,16 @@ def test_browser_shows_the_run_form_and_the_mlflow_comparison(stack, pipeline_ru
         time.sleep(1)
         driver.save_screenshot(str(SHOTS / "prefect-merge-run-form-objective.png"))
 
+        # The real profile's run form: its spec (a path relative to the project root, where the worker runs flows)
+        # and its base, as a user starts it from the UI.
+        dep = deployment_id(stack, "pipeline", "real")
+        driver.get(f"{stack['ui']}/deployments/deployment/{dep}/run")
+        wait_for_text(driver, ["Parameters", "Spec (Optional)", "Base Model (Optional)", "Specialist Train (Optional)"])
+        shown = driver.execute_script("""return [...document.querySelectorAll('input, textarea')].map(e => e.value)
+            .concat([document.body.innerText]).join('\\n');""")
+        assert "tasks/gym/routes.yaml" in shown and "smollm2-135m-instruct" in shown, shown[:2000]
+        driver.save_screenshot(str(SHOTS / "prefect-real-run-form.png"))
+
         # MLflow's comparison of the two merges: the compare page lists retention/<route> among the metrics ...
         client = MlflowClient(stack["mlflow"])
         exp = client.get_experiment_by_name(EXPERIMENT)
@@ -283,6 +293,7 @@ def test_browser_shows_the_run_form_and_the_mlflow_comparison(stack, pipeline_ru
             assert f"{r.info.run_name} {r.data.metrics['retention/mean']}" in body.replace("\n", " ")
     finally:
         driver.quit()
-    for shot in ("prefect-merge-run-form.png", "prefect-merge-run-form-objective.png", "mlflow-compare-runs.png",
+    for shot in ("prefect-merge-run-form.png", "prefect-merge-run-form-objective.png", "prefect-real-run-form.png",
+                 "mlflow-compare-runs.png",
                  "mlflow-compare-retention.png"):
         assert (SHOTS / shot).stat().st_size > 10_000, shot

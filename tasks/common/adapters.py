@@ -25,9 +25,18 @@ def adapter_base(uri: str | Path) -> str | None:
     return str(base)
 
 
-def tokenizer_source(uri: str | Path) -> str:
-    """Where ``uri``'s tokenizer lies: the folder itself, or an adapter's base when the adapter folder has none."""
-    base = adapter_base(uri)
+def base_of(uri: str | Path, base: str | None = None) -> str | None:
+    """The base an adapter folder loads onto: ``base`` where given (a registry record's ``base_model``, which may
+    name a local copy of the hub id the adapter was saved against), else the one its config names; None for a full
+    checkpoint."""
+    named = adapter_base(uri)
+    return None if named is None else (base or named)
+
+
+def tokenizer_source(uri: str | Path, base: str | None = None) -> str:
+    """Where ``uri``'s tokenizer lies: the folder itself, or an adapter's base (``base``, when its registry record
+    names one, else the one its config names) when the adapter folder has none."""
+    base = base_of(uri, base)
     if base and not any((Path(uri).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         return base
     return str(uri)

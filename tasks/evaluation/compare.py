@@ -56,6 +56,30 @@ def retention_rows(runs: Sequence[Run], routes: Sequence[str]) -> list[list[Any]
     return rows
 
 
+SUMMARY_HEADERS = ["run", "run id", "mean retention", "worst retention", "mean gain rec.", "mean student exact",
+                   "minutes", "student tokens"]
+
+
+def summary_rows(runs: Sequence[Run], routes: Sequence[str]) -> list[list[Any]]:
+    """One line per run, in :data:`SUMMARY_HEADERS` order: mean and worst route retention, mean gain recovered and
+    mean exact-format student score over the routes that logged them (None where none did), wall minutes from the
+    run's start to its end, and the student's rollout tokens over the merge (``rollout/student_tokens``)."""
+    def mean_of(metrics: dict[str, float], prefix: str) -> float | None:
+        values = [metrics[f"{prefix}/{r}"] for r in routes if f"{prefix}/{r}" in metrics]
+        return sum(values) / len(values) if values else None
+
+    rows = []
+    for run in runs:
+        m, info = run.data.metrics, run.info
+        kept = [m[f"retention/{r}"] for r in routes if f"retention/{r}" in m]
+        minutes = (info.end_time - info.start_time) / 60_000 if info.end_time and info.start_time else None
+        tokens = m.get("rollout/student_tokens")
+        rows.append([info.run_name, info.run_id, m.get("retention/mean"), min(kept) if kept else None,
+                     mean_of(m, "gain_recovered"), mean_of(m, "exact"), minutes,
+                     None if tokens is None else int(tokens)])
+    return rows
+
+
 def differing_params(runs: Sequence[Run]) -> dict[str, list[str | None]]:
     """The config fields (MLflow params) whose values are not the same in every run: field -> value per run."""
     keys = sorted({k for run in runs for k in run.data.params})

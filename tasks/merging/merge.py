@@ -67,7 +67,7 @@ from tasks.evaluation.evaluate import (
 from tasks.objectives.losses import DIAGNOSTICS, Objective
 from tasks.merging.merge_state import MergeState
 from tasks.merging.route_mix import hold_out, route_need, route_shares, smooth_need
-from tasks.modeling.models import checkpoint_fingerprint, load_model
+from tasks.modeling.models import base_problems, checkpoint_fingerprint, load_model
 from tasks.modeling.rollout import compile_generation, eos_ids
 from tasks.common.paths import models_dir
 from tasks.specs.prompt_set import load_prompt_set
@@ -125,9 +125,13 @@ def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, devi
     ``opd.teacher_dtype``), once its tokenizer is checked (before any weight is read): the student's for a plain
     teacher, the one it was registered with for an aligned one; with ``messages`` (a chat route it serves, its first
     row's messages) also its chat template: the student's rendering for a plain teacher, one at all for an aligned
-    one (registration checked the same; the checkpoint may have changed since). ``student_fp``: the student
+    one (registration checked the same; the checkpoint may have changed since); a LoRA adapter's named base
+    (:func:`tasks.modeling.models.base_problems`), onto which it loads. ``student_fp``: the student
     tokenizer's fingerprint, when the caller has it (the merge computes it once, not at every reload)."""
-    teacher_tok = load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code)
+    if problems := base_problems(rec.model_uri, rec.base_model, rec.base_fingerprint):
+        raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
+    base = rec.base_model or None
+    teacher_tok = load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=base)
     fp, student_fp = tokenizer_fingerprint(teacher_tok), student_fp or tokenizer_fingerprint(student_tok)
     if rec.wrapper == "aligned" and fp != rec.tokenizer_fingerprint:
         raise ValueError(f"aligned teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, registered with "
@@ -143,7 +147,7 @@ def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, devi
                     else aligned_problems(teacher_tok, messages))
         if problems:
             raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
-    model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code), device, dtype)
+    model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=base), device, dtype)
     model.requires_grad_(False)
     return model.eval()
 
@@ -330,8 +334,8 @@ class MergeLoop:
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind;
         # an aligned teacher (another tokenizer) wraps its checkpoint to read the student's text its own way.
         aligned = {name: AlignedTeacher(name, self.pool,
-                                        load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code),
-                                        self.tok, self.eos)
+                                        load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code,
+                                                       base=rec.base_model or None), self.tok, self.eos)
                    for name, rec in records.items() if rec.wrapper == "aligned"}
         self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok), aligned)
         self.digit_ids = digit_ids(self.tok)

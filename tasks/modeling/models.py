@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from tasks.common.adapters import adapter_base
+from tasks.common.adapters import base_of
 from tasks.specs.tokenizer import remote_code_refusal
 
 hf_logging.disable_progress_bar()  # one "Loading weights" bar per teacher load drowns the training progress bars
@@ -56,12 +56,14 @@ def create_model(
     return model
 
 
-def load_model(uri: str | Path, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_model(uri: str | Path, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32,
+               base: str | None = None) -> PreTrainedModel:
     """Load a causal LM by local path or hub id, safetensors weights only; a LoRA adapter folder (peft's format)
     loads as its base with the adapter merged in. A folder whose config names its own code
     (``auto_map``) is refused unless ``trust_remote_code`` is granted
-    (:func:`tasks.specs.tokenizer.remote_code_refusal`)."""
-    base = adapter_base(uri)
+    (:func:`tasks.specs.tokenizer.remote_code_refusal`). ``base``: the base an adapter folder loads onto, where its
+    registry record names one (:func:`tasks.common.adapters.base_of`)."""
+    base = base_of(uri, base)
     if base is not None:  # a LoRA adapter folder: its base with the adapter merged in (what scores and samples)
         from peft import PeftModel
 
@@ -73,9 +75,9 @@ def load_model(uri: str | Path, trust_remote_code: bool = False, dtype: torch.dt
     return model
 
 
-def model_config(uri: str | Path, trust_remote_code: bool = False):
-    """The transformers config of a checkpoint, or of an adapter folder's base."""
-    return AutoConfig.from_pretrained(adapter_base(uri) or str(uri), trust_remote_code=trust_remote_code)
+def model_config(uri: str | Path, trust_remote_code: bool = False, base: str | None = None):
+    """The transformers config of a checkpoint, or of an adapter folder's base (``base`` where named)."""
+    return AutoConfig.from_pretrained(base_of(uri, base) or str(uri), trust_remote_code=trust_remote_code)
 
 
 def save_model(
@@ -101,6 +103,33 @@ def checkpoint_fingerprint(path: str | Path) -> str:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return "sha256:" + h.hexdigest()[:16]
+
+
+def base_problems(uri: str | Path, base_model: str, base_fingerprint: str = "") -> list[str]:
+    """A teacher's named base (its registry record's ``base_model``) against its checkpoint, read before any weight
+    loads: a base named for a full checkpoint (it is not a LoRA adapter folder), a local base that is not there, a
+    local base whose weights changed since registration (``base_fingerprint``). [] when it holds or none is named;
+    a hub id is taken as named (no weights here to compare)."""
+    if not base_model:
+        return []
+    try:
+        named = base_of(uri)
+    except ValueError:  # an adapter folder whose config names no base: the record's base is the one to use
+        named = base_model
+    if named is None:
+        return [f"base_model {base_model!r} is named, but {uri} is a full checkpoint (no adapter_config.json): "
+                "expected base_model empty, or the LoRA adapter folder as model_uri"]
+    local = Path(base_model).expanduser()
+    if not local.exists():
+        if local.is_absolute() or base_model.startswith((".", "~")):
+            return [f"base_model {base_model}: no checkpoint folder there; expected the base the adapter was "
+                    "trained on"]
+        return []
+    if base_fingerprint and (now := checkpoint_fingerprint(local)) != base_fingerprint:
+        return [f"base_model {base_model} has weights {now}, registered with {base_fingerprint}: the base changed "
+                "since the adapter was registered, and the adapter's deltas apply only to the weights it was "
+                "trained on; re-register it against its base"]
+    return []
 
 
 def num_parameters(model: torch.nn.Module) -> int:

@@ -247,6 +247,10 @@ class RouteSpec(_Spec):
                                  "average_logits (per token, the weighted mean of their log-probabilities).")
     teacher_weights: list[float] = Field(default_factory=list, description="mixture and average_logits: one positive "
                                          "weight per name of teachers, normalised to sum 1; empty = uniform.")
+    specialist: dict[str, Any] = Field(default_factory=dict, description="This route's specialist recipe where it "
+                                       "differs from the flow's (specialist_train, or specialist_rl with "
+                                       "specialist_trainer rl): field: value, e.g. {steps: 600}. Names and values "
+                                       "are checked when the spec is read.")
 
     @field_validator("teachers")
     @classmethod
@@ -258,6 +262,21 @@ class RouteSpec(_Spec):
             raise ValueError(f"teachers {dupes} appear more than once; expected distinct registry names")
         if len(v) == 1:
             raise ValueError(f"one teacher {v[0]!r}: write teacher: {v[0]} (teachers lists two or more)")
+        return v
+
+    @field_validator("specialist")
+    @classmethod
+    def _specialist(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from tasks.config import RLConfig, TrainConfig  # the recipes' own models judge names and values
+
+        unknown = sorted(set(v) - set(TrainConfig.model_fields) - set(RLConfig.model_fields))
+        if unknown:
+            raise ValueError(f"unknown specialist fields {unknown}; expected fields of specialist_train "
+                             f"({sorted(TrainConfig.model_fields)}) or of specialist_rl")
+        for recipe in (TrainConfig, RLConfig):
+            mine = {k: x for k, x in v.items() if k in recipe.model_fields}
+            if mine:
+                recipe.model_validate({**recipe().model_dump(), **mine})
         return v
 
     @model_validator(mode="after")

@@ -92,11 +92,12 @@ def remote_code_refusal(uri: str | Path, files: tuple[str, ...], trust_remote_co
             )
 
 
-def load_tokenizer(uri: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(uri: str | Path, trust_remote_code: bool = False, base: str | None = None) -> PreTrainedTokenizerBase:
     """Load any tokenizer by local path or hub id (the same call a GPU user makes for a real checkpoint), left
     padding. A tokenizer without a pad token (most base checkpoints) pads with its EOS, and says so: batched
-    generation needs one, and padding is masked out everywhere, so which id fills it does not matter."""
-    uri = tokenizer_source(uri)  # an adapter folder without tokenizer files: its base's
+    generation needs one, and padding is masked out everywhere, so which id fills it does not matter. ``base``: the
+    base an adapter folder applies to, where its registry record names one (:func:`tasks.common.adapters.base_of`)."""
+    uri = tokenizer_source(uri, base)  # an adapter folder without tokenizer files: its base's (``base``: named)
     remote_code_refusal(uri, ("tokenizer_config.json",), trust_remote_code)
     tok = AutoTokenizer.from_pretrained(str(uri), trust_remote_code=trust_remote_code)
     tok.padding_side = "left"

@@ -165,14 +165,25 @@ def log_retention(run_id: str, rows: list[dict[str, Any]], student_dir: str | os
     MlflowClient(tracking_uri()).log_artifacts(run_id, str(student_dir), "student")
 
 
+EXACT_KEYS = ("base_exact", "teacher_exact", "student_exact")
+
+
 def format_retention_table(rows: list[dict[str, Any]]) -> str:
+    """The retention table: accuracies by each route's verifier, retention and gain recovered; where a route's
+    verifier is lenient (an answer extractor, so some row's exact-format score differs from its accuracy), the
+    exact-format scores of base, teacher and student beside them."""
     from tasks.common.table import format_table
 
     keys = ["route", "teacher", "base_accuracy", "teacher_accuracy", "student_accuracy", "retention"]
+    headers = ["route", "teacher", "base acc", "teacher acc", "student acc", "retention", "gain rec."]
     # gain recovered: (student - base) / (teacher - base); "-" where the teacher gained nothing over the base.
     body = [[r[k] for k in keys] + [r.get("gain_recovered")] for r in rows]
-    return format_table(["route", "teacher", "base acc", "teacher acc", "student acc", "retention", "gain rec."],
-                        body)
+    lenient = any(r.get(e) is not None and r.get(e) != r.get(a)
+                  for r in rows for e, a in zip(EXACT_KEYS, ("base_accuracy", "teacher_accuracy", "student_accuracy")))
+    if lenient:
+        headers += ["base exact", "teacher exact", "student exact"]
+        body = [line + [r.get(e) for e in EXACT_KEYS] for line, r in zip(body, rows)]
+    return format_table(headers, body)
 
 
 # ---------------------------------------------------------------------------------------------- model registry

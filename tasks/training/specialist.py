@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from mlflow.tracking import MlflowClient
 from prefect import task
@@ -28,6 +30,31 @@ from tasks.tracking.runs import config_params, end_run, log_metrics, start_run, 
 SPECIALISTS_EXPERIMENT = "opd-specialists"
 
 Recipe = TrainConfig | RLConfig  # how a specialist is trained: sft on gold completions, or rl (GRPO)
+
+
+def route_recipe(recipe: Recipe, route: str, overrides: Mapping[str, Any]) -> Recipe:
+    """The recipe of one route's specialist: the flow's ``recipe`` with the route's spec ``specialist`` fields over
+    it (validated again). ValueError naming the route for a field of the other trainer's recipe."""
+    other = sorted(set(overrides) - set(type(recipe).model_fields))
+    if other:
+        raise ValueError(f"routes[{route}].specialist: {other} are not fields of the {trainer_of(recipe)} recipe "
+                         f"(specialist_trainer is {trainer_of(recipe)}); expected some of "
+                         f"{sorted(type(recipe).model_fields)}")
+    return type(recipe).model_validate({**recipe.model_dump(), **overrides}) if overrides else recipe
+
+
+def recipe_problems(spec, recipe: Recipe) -> list:
+    """:func:`route_recipe` for every route of a route spec (:class:`tasks.specs.spec.RouteSpecFile`), as problems
+    (the spec file, ``routes[<r>].specialist``) for the preflights: refused before anything trains."""
+    from tasks.common.problems import Problem
+
+    problems = []
+    for route in spec.routes:
+        try:
+            route_recipe(recipe, route.name, route.specialist)
+        except ValueError as e:
+            problems.append(Problem(spec.path or "inline spec", f"routes[{route.name}].specialist", str(e)))
+    return problems
 
 
 def trainer_of(recipe: Recipe) -> str:
