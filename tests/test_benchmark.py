@@ -69,6 +69,18 @@ def test_benchmark_config_adds_the_long_routes_and_matches_grpo_to_the_merges():
         benchmark_config("quick", methods=["opd_reverse_kl", "dpo"])
 
 
+def test_the_benchmark_on_the_real_profile_keeps_its_spec_its_cold_start_and_its_gate():
+    """The alternatives to OPD on the real profile start as its merge does (30 steps on the routes' references, the
+    gate at 0.8): its base answers in sentences. No built-in long routes are added to a spec's profile."""
+    from flows.bench.benchmark import benchmark_config
+    from tasks.config import pipeline_config
+
+    cfg, real = benchmark_config("real"), pipeline_config("real")
+    assert cfg.spec == real.spec and cfg.world.routes == real.world.routes
+    assert (cfg.opd.cold_start_steps, cfg.opd.gate_threshold) == (real.opd.cold_start_steps, real.opd.gate_threshold)
+    assert cfg.opd.cold_start_steps == 30
+
+
 @pytest.mark.e2e
 def test_benchmark_flow_end_to_end_on_the_quick_profile(prefect_server):
     """Every kind of method, briefly, from one base: two merges (on-policy reverse KL, off-policy SFT), GRPO, a

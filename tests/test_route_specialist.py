@@ -1,5 +1,5 @@
 """A route's own specialist recipe (a spec route's ``specialist`` fields over the flow's ``specialist_train`` or
-``specialist_rl``): checked when the spec is read and by the preflights, and applied by the specialists flow to that
+``specialist_rl``): checked by the preflights, and applied by the specialists flow to that
 route only.
 
 Run: python -m pytest tests/test_route_specialist.py -q
@@ -15,14 +15,21 @@ from tasks.training.specialist import recipe_problems, route_recipe
 DATA = {"source": "rows.jsonl"}
 
 
-def test_the_specialist_fields_are_checked_when_the_spec_is_read():
+def test_the_specialist_fields_are_checked_by_the_preflights_not_by_the_spec_layer(tmp_path):
+    from tasks.specs.spec import load_spec
+
+    # the spec layer sits below the recipes (tests/test_layout.py): it keeps the mapping, the preflights judge it
     assert RouteSpec(name="r", data=DATA, specialist={"steps": 600, "lr": 0.002}).specialist == {"steps": 600,
                                                                                                 "lr": 0.002}
-    with pytest.raises(ValueError, match=r"unknown specialist fields \['stepz'\]"):
-        RouteSpec(name="r", data=DATA, specialist={"stepz": 600})
-    with pytest.raises(ValueError, match="greater than or equal to 1"):
-        RouteSpec(name="r", data=DATA, specialist={"steps": 0})  # a value the recipe's own model refuses
-    assert RouteSpec(name="r", data=DATA, specialist={"group_size": 4}).specialist == {"group_size": 4}  # an rl one
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
+    spec = tmp_path / "routes.yaml"
+    spec.write_text(yaml.safe_dump({"version": 1, "routes": [
+        {"name": "typo", "data": DATA, "specialist": {"stepz": 600}},
+        {"name": "zero", "data": DATA, "specialist": {"steps": 0}},
+        {"name": "fine", "data": DATA, "specialist": {"steps": 600}}]}))
+    typo, zero = recipe_problems(load_spec(spec), TrainConfig())
+    assert typo.field == "routes[typo].specialist" and "['stepz'] are not fields of the sft recipe" in typo.message
+    assert zero.field == "routes[zero].specialist" and "greater than or equal to 1" in zero.message
 
 
 def test_route_recipe_sets_only_the_named_fields_and_refuses_the_other_trainers():

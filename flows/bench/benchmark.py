@@ -50,6 +50,7 @@ from tasks.bench.curves import (
 from tasks.config import PipelineConfig, RLConfig, _deep_merge, known_names, pipeline_config
 from tasks.common.log import say
 from tasks.common.paths import models_dir
+from tasks.specs.prompt_set import load_prompt_set
 from tasks.common.table import format_table
 from tasks.tracking.runs import config_params, end_run, log_figure, log_metrics, log_table, start_run, tracking_uri
 from tasks.world.domains import Route
@@ -128,12 +129,15 @@ def benchmark_config(profile: str = "default", **overrides: Any) -> BenchmarkCon
     """The profile's pipeline settings with long routes added and the merge gate at 0.5."""
     data = pipeline_config(profile).model_dump()
     opd = data["opd"]
-    data["world"] = with_long_routes(data["world"])
-    # Every method starts from the same base, which samples the long routes' format only about half the time: the
-    # merge's gate (default 0.8) would refuse plain on-policy distillation before its first step. Here it only
-    # refuses a student that cannot produce the format at all.
-    opd["gate_threshold"] = 0.5
-    opd["cold_start_steps"] = 0  # the methods start plain (the pipeline's default is two-stage): opd_two_stage adds it
+    if not data["spec"]:  # the built-in world; a spec's routes (the real profile's) are the spec's own
+        data["world"] = with_long_routes(data["world"])
+        # Every method starts from the same base, which samples the long routes' format only about half the time:
+        # the merge's gate (default 0.8) would refuse plain on-policy distillation before its first step. Here it
+        # only refuses a student that cannot produce the format at all.
+        opd["gate_threshold"] = 0.5
+        opd["cold_start_steps"] = 0  # the methods start plain (the default is two-stage): opd_two_stage adds it
+    # (the real profile keeps its cold start and gate: its base answers in sentences, and every method, on-policy or
+    # not, starts with the same 30 steps on the routes' reference completions)
     data = {**data, "experiment": "opd-benchmark"}
     return BenchmarkConfig.model_validate(_deep_merge(data, overrides))
 
@@ -142,9 +146,10 @@ def _name(cfg: BenchmarkConfig) -> str:
     return f"benchmark-{cfg.profile}-{len(cfg.methods)}methods-{cfg.opd.steps}steps-{stamp()}"
 
 
-def _merge_curve(cfg: BenchmarkConfig, base_uri: str, teachers: list[str], label: str, opd: dict) -> tuple[Curve, dict]:
+def _merge_curve(cfg: BenchmarkConfig, base_uri: str, teachers: list[str], label: str, opd: dict,
+                 routes: list[str]) -> tuple[Curve, dict]:
     result = merge(cfg.merge(base_uri, teachers, opd, label))
-    return curve_from_run(result["run_id"], label, "merge", cfg.world.routes), result
+    return curve_from_run(result["run_id"], label, "merge", routes), result
 
 
 @flow(name="benchmark", flow_run_name=from_parameters(BenchmarkConfig, _name))
@@ -155,7 +160,7 @@ def benchmark(cfg: BenchmarkConfig = BenchmarkConfig()) -> dict:
     prompt_set = base["prompt_set"]  # the prompt set prepare_base built (and the specialists used)
     registry = TeacherRegistry()
     teacher_acc = teacher_accuracies([registry.get(n) for n in teachers], prompt_set)
-    routes = cfg.world.routes
+    routes = load_prompt_set(prompt_set).routes if cfg.spec else cfg.world.routes
     summary = start_run(cfg.experiment, current_run_name(_name(cfg)), config_params(cfg))
     curves: list[Curve] = []
     minutes: dict[str, float] = {}
@@ -165,7 +170,7 @@ def benchmark(cfg: BenchmarkConfig = BenchmarkConfig()) -> dict:
         say(f"[{i}/{len(cfg.methods)}] benchmark method {method}")
         t0 = time.perf_counter()
         if "opd" in spec:
-            curves.append(_merge_curve(cfg, base["uri"], teachers, method, spec["opd"])[0])
+            curves.append(_merge_curve(cfg, base["uri"], teachers, method, spec["opd"], routes)[0])
         elif "rl" in spec:
             rl = cfg.grpo()
             run_id = start_run(cfg.experiment, f"{method}-{stamp()}", {f"rl.{k}": v for k, v in config_params(rl).items()})
@@ -182,7 +187,8 @@ def benchmark(cfg: BenchmarkConfig = BenchmarkConfig()) -> dict:
             rl_teachers = train_specialists(rl_cfg)
             for scale in cfg.exopd_scales:
                 label = f"exopd_rl_x{scale:g}"
-                curve, result = _merge_curve(cfg, base["uri"], rl_teachers, label, {"reward_scale": scale})
+                curve, result = _merge_curve(cfg, base["uri"], rl_teachers, label, {"reward_scale": scale},
+                                             routes)
                 curves.append(curve)
                 exopd[label] = result
         minutes[method] = (time.perf_counter() - t0) / 60

@@ -250,7 +250,7 @@ class RouteSpec(_Spec):
     specialist: dict[str, Any] = Field(default_factory=dict, description="This route's specialist recipe where it "
                                        "differs from the flow's (specialist_train, or specialist_rl with "
                                        "specialist_trainer rl): field: value, e.g. {steps: 600}. Names and values "
-                                       "are checked when the spec is read.")
+                                       "are checked by the preflights, before anything trains.")
 
     @field_validator("teachers")
     @classmethod
@@ -262,21 +262,6 @@ class RouteSpec(_Spec):
             raise ValueError(f"teachers {dupes} appear more than once; expected distinct registry names")
         if len(v) == 1:
             raise ValueError(f"one teacher {v[0]!r}: write teacher: {v[0]} (teachers lists two or more)")
-        return v
-
-    @field_validator("specialist")
-    @classmethod
-    def _specialist(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from tasks.config import RLConfig, TrainConfig  # the recipes' own models judge names and values
-
-        unknown = sorted(set(v) - set(TrainConfig.model_fields) - set(RLConfig.model_fields))
-        if unknown:
-            raise ValueError(f"unknown specialist fields {unknown}; expected fields of specialist_train "
-                             f"({sorted(TrainConfig.model_fields)}) or of specialist_rl")
-        for recipe in (TrainConfig, RLConfig):
-            mine = {k: x for k, x in v.items() if k in recipe.model_fields}
-            if mine:
-                recipe.model_validate({**recipe().model_dump(), **mine})
         return v
 
     @model_validator(mode="after")

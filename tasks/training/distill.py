@@ -705,7 +705,7 @@ def opd_step(
     groups: dict[str, list[int]],
     optimizer: torch.optim.Optimizer,
     scheduler,
-    max_new_tokens: int,
+    max_new_tokens: int | list[int],
     objective: Objective = Objective(),
     chunk_size: int = 16,
     grad_clip: float = 1.0,
@@ -713,9 +713,10 @@ def opd_step(
     verifiers: Mapping[str, Verifier],
 ) -> StepStats:
     """One plain on-policy step with one objective for every route: sample, score, update (``routes[i]`` is row i's
-    route, ``groups`` maps each teacher to the rows it scores)."""
+    route, ``groups`` maps each teacher to the rows it scores; ``max_new_tokens`` one cap, or each row's)."""
     t0 = time.perf_counter()
-    batch = sample_batch(student, tok, prompts, routes, answers, [max_new_tokens] * len(prompts), 0,
+    caps_B = list(max_new_tokens) if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    batch = sample_batch(student, tok, prompts, routes, answers, caps_B, 0,
                          objective.sample_temperature, objective.temperature, with_logprobs=objective.policy_gradient,
                          verifiers=verifiers)
     t1 = time.perf_counter()
