@@ -253,6 +253,12 @@ class OPDConfig(LoRAFields, DeviceFields):
         "cpu", description="Where a teacher evicted from a GPU (max_resident_teachers) waits: cpu = in host memory "
         "(pinned), moved back to the GPU to score, so a dozen teachers fit where two would on the GPU; disk = "
         "dropped and loaded again from its checkpoint. Teachers on the CPU device are always dropped (disk).")
+    teacher_sharing: Literal["off", "adapters"] = Field(
+        "off", description="adapters = the plain teachers that are LoRA adapters of one base (a LoRA specialist's "
+        "adapter/ folder, or an adapter folder as model_uri) are held as one copy of that base with every adapter "
+        "attached, each teacher scoring and sampling with its own adapter switched on (peft's multi-adapter model), "
+        "instead of one merged model each: one base's memory plus the adapters'. off = one merged model per "
+        "teacher. Needs teacher_backend 'hf' and no overlap_generation (one model, one adapter active at a time).")
     teacher_device: DeviceName = Field("auto", description="Where the teachers score and sample. " + DEVICE_HELP)
     teacher_dtype: DTypeName = Field(
         "fp32", description="dtype the teachers' weights are held in (frozen: no master copy); their logits are "
@@ -412,6 +418,11 @@ class OPDConfig(LoRAFields, DeviceFields):
                 "rollout_backend 'vllm' with overlap_generation needs sample_temperature == divergence_temperature: "
                 "the old policy's log-probs then come from the engine itself"
             )
+        if self.teacher_sharing != "off" and (self.overlap_generation or self.teacher_backend != "hf"):
+            raise ValueError(f"opd.teacher_sharing {self.teacher_sharing!r} holds one model per base with one adapter "
+                             "active at a time, scored in process: it needs opd.teacher_backend 'hf' and "
+                             "opd.overlap_generation off (a background thread would switch the adapter under a "
+                             "scoring one)")
         if self.lora_rank and self.rollout_backend == "vllm":
             raise ValueError("opd.lora_rank > 0 (a LoRA student) with opd.rollout_backend 'vllm' is not supported: "
                              "the engine's weight sync reads full weights; use rollout_backend 'hf' or lora_rank 0")

@@ -120,3 +120,34 @@ def flow_env(prefect_server) -> dict[str, str]:
 
     return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(SITE), str(Path(__file__).resolve().parent.parent)])}
+
+
+@pytest.fixture(scope="module")
+def lora_experts(tmp_path_factory):
+    """A tiny Llama base (saved with a real tokenizer) and two LoRA fine-tunes of it, saved as the specialists are
+    (merged, the adapter beside: tests/test_adapter_merge.py, tests/test_shared_base.py)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.config import TrainConfig
+    from tasks.modeling.models import load_model, save_model
+    from tasks.common.paths import PROJECT_ROOT
+    from tasks.training.sft import save_trained, with_lora
+
+    tok = AutoTokenizer.from_pretrained(PROJECT_ROOT / "tests" / "data" / "smollm2-tokenizer")
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    root = tmp_path_factory.mktemp("adapters")
+    base_dir = save_model(base, tok, root / "base")
+    experts = []
+    for i in range(2):
+        model = with_lora(load_model(base_dir), TrainConfig(lora_rank=4, lora_alpha=8, seed=i))
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        ids_B_T = torch.randint(0, 1000, (2, 6), generator=torch.Generator().manual_seed(i))
+        for _ in range(3):
+            model(ids_B_T, labels=ids_B_T).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        experts.append(save_trained(model, tok, root / f"expert{i}")[1])
+    return base_dir, experts

@@ -162,3 +162,26 @@ def test_a_lora_student_merges_and_is_saved_merged_with_its_adapter(real_path):
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     assert json.loads((folder / "adapter" / "adapter_config.json").read_text())["r"] == 4
     assert [r["route"] for r in out["rows"]] == [r["route"] for r in first["rows"]]
+
+
+def test_lora_specialists_sharing_their_base_teach_as_their_merged_checkpoints(real_path):
+    """opd.teacher_sharing adapters: the four LoRA specialists score and are evaluated on one copy of the base with
+    their adapters switched; no merged teacher is loaded, and each teacher's held-out accuracy is the merged one's."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.merge import merge
+    from tasks.tracking.runs import tracking_uri
+
+    cfg, first = real_path
+    out = merge(cfg.merge(first["base_uri"], first["teachers"], opd={"steps": 2, "teacher_sharing": "adapters"},
+                          label="shared-base"))
+    client = MlflowClient(tracking_uri())
+    metrics = client.get_run(out["run_id"]).data.metrics
+    assert metrics["teachers/shared"] == 4 and metrics["teachers/loads"] == 0
+    # The same config, seed and student as the pipeline's merge: the same rollouts, so the same teacher scores and
+    # losses at every step, up to the unmerged adapters' float rounding.
+    losses = [[m.value for m in sorted(client.get_metric_history(run, "train/loss"), key=lambda m: m.step)]
+              for run in (first["run_id"], out["run_id"])]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert [(r["route"], r["teacher_accuracy"]) for r in out["rows"]] == [
+        (r["route"], r["teacher_accuracy"]) for r in first["rows"]]

@@ -57,7 +57,8 @@ def compare(cfg: AdapterMergesConfig) -> list[dict]:
     from tasks.common.adapters import adapter_base
     from tasks.common.paths import models_dir
     from tasks.evaluation.evaluate import evaluate_prompt_set, gain_recovered, retention
-    from tasks.merging.weight_merge import adapter_of, merge_checkpoints
+    from tasks.common.adapters import saved_adapter
+    from tasks.merging.weight_merge import merge_checkpoints
     from tasks.modeling.models import load_model
     from tasks.specs.prompt_set import load_prompt_set
     from tasks.specs.tokenizer import load_tokenizer
@@ -68,7 +69,7 @@ def compare(cfg: AdapterMergesConfig) -> list[dict]:
     opd_rows = json.loads((merged / "retention.json").read_text())
     registry = TeacherRegistry()
     experts = [registry.get(row["teacher"]).model_uri for row in opd_rows]
-    adapters = [adapter_of(e) for e in experts]
+    adapters = [saved_adapter(e) for e in experts]
     if not all(adapters):
         raise SystemExit(f"error: not every teacher keeps a LoRA adapter (adapter/ in {experts}): peft's merges "
                          "need LoRA specialists (train.lora_rank > 0)")

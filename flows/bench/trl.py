@@ -14,6 +14,7 @@ for both. Steps alternate (one TRL step, then one of ours) so that load from oth
 EOS), counted per step.
 
 Run:  python -m flows.bench.trl              # shapes 64x2x2 and 256x4x4, batch 16, 32 new tokens
+      python -m flows.bench.trl --teacher spec-arith-steps --batch_size 8 --threads 2   # the real profile's pair
       python -m flows.bench.trl --quick      # one tiny shape, a few steps (seconds)
       python -m flows.bench.trl --shapes 128x3x4,512x6x8 --batch_size 32 --steps 10 --threads 2
       python -m flows.bench.trl --device cuda --dtype bf16 --shapes 256x4x4,512x6x8   # both on one GPU, bf16 AMP
@@ -67,6 +68,10 @@ class BenchTRLConfig(BenchOPDConfig):
         "fp32", description="Compute precision of both trainers: fp32, or bf16 mixed precision (fp32 master weights; "
         "ours under bf16 autocast, TRL's with bf16=True) with both teachers held in bf16. (fp16 needs loss scaling, "
         "which our step does not do.)")
+    teacher: str = Field(
+        "", description="A registered LoRA specialist (registry name, e.g. spec-arith-answer): the real pair instead "
+        "of --shapes: its base as the student, it as the teacher, its route's chat-rendered training prompts and "
+        "verifier, the route's cap as max_new_tokens (run the real profile first).")
 
 
 def bench_trl_config(profile: str = "default") -> BenchTRLConfig:
@@ -121,16 +126,48 @@ TRL_DIFFERENCES = [
 
 
 def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
-    """One shape: fresh checkpoints, one TRL trainer and one of our students, alternating steps. Returns per-trainer
-    lists of (seconds, tokens, generation seconds) for the timed steps."""
+    """One shape: fresh checkpoints of the built-in world's tokenizer, on its prompts (:func:`run_pair`)."""
+    tok = build_char_tokenizer()
+    return run_pair(cfg, save_checkpoint(tok, parse_shape(shape), cfg.seed, root / "student"),
+                    save_checkpoint(tok, parse_shape(shape), cfg.seed + 1, root / "teacher"), tok, root)
+
+
+def real_pair(cfg: BenchTRLConfig) -> tuple[BenchTRLConfig, str, str, object, tuple, dict]:
+    """The real profile's pair for ``cfg.teacher`` (a registered LoRA specialist): its base as the student, its
+    route's training prompts (chat-rendered, in the prompt set's order) and verifier, the route's cap as
+    ``max_new_tokens``. Returns (cfg with that cap, student, teacher, tokenizer, data, verifiers)."""
+    from tasks.bench.helpers import real_prompt_set
+    from tasks.modeling.shared_base import adapter_of
+    from tasks.specs.tokenizer import load_tokenizer
+    from teachers.registry import TeacherRegistry
+
+    registry = TeacherRegistry()
+    if cfg.teacher not in registry.names():
+        raise SystemExit(f"error: --teacher {cfg.teacher}: no such teacher in {registry.path}; registered: "
+                         f"{registry.names()} (train the real profile's specialists first)")
+    rec = registry.get(cfg.teacher)
+    if (found := adapter_of(rec)) is None:
+        raise SystemExit(f"error: --teacher {cfg.teacher} ({rec.model_uri}) is not a LoRA specialist: the student "
+                         "is its base, which only an adapter names")
+    base, ps = real_prompt_set(found[1])
+    rows, n = ps.rows("train")[rec.route], cfg.batch_size * (cfg.warmup + cfg.steps)
+    if len(rows["prompt"]) < n:
+        raise SystemExit(f"error: route {rec.route} has {len(rows['prompt'])} training prompts, fewer than {n}")
+    data = (rows["prompt"][:n], [rec.route] * n, rows["answer"][:n])
+    return (cfg.model_copy(update={"max_new_tokens": ps.cap(rec.route)}), base, rec.model_uri, load_tokenizer(base),
+            data, ps.verifiers)
+
+
+def run_pair(cfg: BenchTRLConfig, student_path, teacher_path, tok, root: Path, data: tuple | None = None,
+             verifiers: dict | None = None) -> dict:
+    """One student / teacher pair: one TRL trainer and one of our students, alternating steps, on ``data``
+    (default the built-in world's prompts). Returns per-trainer lists of (seconds, tokens, generation seconds) for
+    the timed steps."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
     from trl import DistillationConfig
 
-    tok = build_char_tokenizer()
-    student_path = save_checkpoint(tok, parse_shape(shape), cfg.seed, root / "student")
-    teacher_path = save_checkpoint(tok, parse_shape(shape), cfg.seed + 1, root / "teacher")
     device = resolve_device(cfg.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -141,9 +178,9 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
         return place_frozen(load_model(teacher_path), cfg.device, cfg.dtype).eval().requires_grad_(False)
 
     student = student_model()
-    our_step = opd_steps(cfg, student, teacher_model(), tok)
+    our_step = opd_steps(cfg, student, teacher_model(), tok, data, verifiers)
     # The same step with compiled generation (opd.compile_generation: static KV cache, torch.compile'd decode step).
-    compiled_step = opd_steps(cfg, compile_generation(student_model()), teacher_model(), tok)
+    compiled_step = opd_steps(cfg, compile_generation(student_model()), teacher_model(), tok, data, verifiers)
     ours: list[tuple[float, int, float]] = []
     compiled: list[tuple[float, int, float]] = []
     trl: list[float] = []
@@ -180,7 +217,7 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
         trainer = trl_trainer_class()(
             model=trl_student, teacher_model=teacher_model(), args=args,
-            train_dataset=Dataset.from_dict({"prompt": cfg.prompts()[0]}), processing_class=tok,
+            train_dataset=Dataset.from_dict({"prompt": (data or cfg.prompts())[0]}), processing_class=tok,
             optimizers=(trl_optimizer, trl_scheduler), callbacks=[Alternate()],
         )
         trainer.generations = []
@@ -189,7 +226,7 @@ def run_shape(cfg: BenchTRLConfig, shape: str, root: Path) -> dict:
         trainer.train()
     trl_steps = [(s, g[1], g[0]) for s, g in zip(trl, trainer.generations)]
     # Its background thread would run during TRL's steps if it alternated with them: it runs alone, afterwards.
-    seconds, tokens = overlapped_opd_seconds(cfg, student_model(), teacher_model(), tok)
+    seconds, tokens = overlapped_opd_seconds(cfg, student_model(), teacher_model(), tok, data, verifiers)
     overlap = [(seconds / cfg.steps, tokens / cfg.steps, None)] * cfg.steps  # generation hidden: no own time
     return {"params": num_parameters(student), "ours": ours[cfg.warmup:], "ours+compile": compiled[cfg.warmup:],
             "trl": trl_steps[cfg.warmup:], "ours+overlap": overlap}
@@ -210,13 +247,19 @@ def bench_trl(cfg: BenchTRLConfig) -> dict:
 
     torch.set_num_threads(cfg.threads)
     say(f"ours (tasks.training.distill.opd_step, reverse_kl) vs TRL {trl.__version__} DistillationTrainer (beta=1.0, on-policy)"
-        f": batch {cfg.batch_size}, up to {cfg.max_new_tokens} new tokens, {cfg.warmup} warm-up + {cfg.steps} timed "
-        f"steps each, alternating, {torch.get_num_threads()} torch thread(s), on {where(cfg)} in {cfg.dtype}; "
-        "untrained student and teacher")
+        f": batch {cfg.batch_size}, {cfg.warmup} warm-up + {cfg.steps} timed steps each, alternating, "
+        f"{torch.get_num_threads()} torch thread(s), on {where(cfg)} in {cfg.dtype}; "
+        + (f"the real profile's base as the student, {cfg.teacher} as the teacher, its route's prompts and cap"
+           if cfg.teacher else f"up to {cfg.max_new_tokens} new tokens, untrained student and teacher"))
     rows, metrics = [], {}
-    for label in cfg.shapes:
+    labels = [cfg.teacher] if cfg.teacher else cfg.shapes
+    for label in labels:
         with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
-            res = run_shape(cfg, label, Path(tmp))
+            if cfg.teacher:  # the real profile's student and one of its specialists, on that route's prompts
+                cfg, *pair = real_pair(cfg)
+                res = run_pair(cfg, *pair[:3], Path(tmp), *pair[3:])
+            else:
+                res = run_shape(cfg, label, Path(tmp))
         rates = {}
         for name in NAMES:
             steps = res[name]
@@ -237,7 +280,7 @@ def bench_trl(cfg: BenchTRLConfig) -> dict:
     compile_ratios = [r[-1] for r in rows if r[2] == "ours+compile"]
     overlap_ratios = [r[-1] for r in rows if r[2] == "ours+overlap"]
     verdict = "; ".join(
-        f"{name}/TRL tokens per second: {', '.join(f'{s} {x:.2f}x' for s, x in zip(cfg.shapes, rs))}"
+        f"{name}/TRL tokens per second: {', '.join(f'{s} {x:.2f}x' for s, x in zip(labels, rs))}"
         f" (target >= 1.5x: {'met' if min(rs) >= 1.5 else 'NOT met'})"
         for name, rs in (("ours", ratios), ("ours+compile", compile_ratios), ("ours+overlap", overlap_ratios)))
     run_id = publish(cfg, f"bench-trl-b{cfg.batch_size}-t{cfg.max_new_tokens}", HEADERS, rows,

@@ -85,9 +85,14 @@ class BenchOPDConfig(_Config):
         return world_batch(self.batch_size * (self.warmup + self.steps), self.seed)
 
 
-def opd_steps(cfg: BenchOPDConfig, student, teacher, tok) -> Callable[[int], Any]:
+Batches = tuple[list[str], list[str], list[str]]  # every step's prompts, routes and answers, step after step
+
+
+def opd_steps(cfg: BenchOPDConfig, student, teacher, tok, data: Batches | None = None,
+              verifiers: dict | None = None) -> Callable[[int], Any]:
     """Step ``i`` of our plain on-policy loop (:func:`tasks.training.distill.opd_step`, reverse KL, one teacher for every row,
-    this project's AdamW schedule) on ``cfg.prompts()``; each step's :class:`~tasks.training.distill.StepStats` also holds its
+    this project's AdamW schedule) on ``data`` (prompts, routes, answers; default ``cfg.prompts()``, the built-in
+    world's, scored by its ``verifiers``); each step's :class:`~tasks.training.distill.StepStats` also holds its
     wall time in ``seconds["step"]``."""
     from tasks.training.distill import opd_step
     from tasks.objectives.losses import Objective
@@ -95,7 +100,8 @@ def opd_steps(cfg: BenchOPDConfig, student, teacher, tok) -> Callable[[int], Any
     from tasks.training.sft import make_optimizer
 
     B = cfg.batch_size
-    prompts, routes, answers = cfg.prompts()
+    prompts, routes, answers = data or cfg.prompts()
+    verifiers = verifiers or world_verifiers(list(set(routes)))
     optimizer, scheduler = make_optimizer(student, cfg.lr, 0.0, 0, cfg.warmup + cfg.steps)
 
     def step(i: int):
@@ -103,26 +109,26 @@ def opd_steps(cfg: BenchOPDConfig, student, teacher, tok) -> Callable[[int], Any
         t0 = time.perf_counter()
         stats = opd_step(student, checkpoint_teachers({"teacher": teacher}), tok, prompts[rows], routes[rows],
                          answers[rows], {"teacher": list(range(B))}, optimizer, scheduler, cfg.max_new_tokens,
-                         Objective(loss="reverse_kl"), cfg.chunk_size, grad_clip=1.0,
-                         verifiers=world_verifiers(list(set(routes))))
+                         Objective(loss="reverse_kl"), cfg.chunk_size, grad_clip=1.0, verifiers=verifiers)
         stats.seconds["step"] = time.perf_counter() - t0
         return stats
 
     return step
 
 
-def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok) -> tuple[float, int]:
+def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok, data: Batches | None = None,
+                           verifiers: dict | None = None) -> tuple[float, int]:
     """Our merge loop's overlapped step (``opd.overlap_generation``: :class:`tasks.training.distill.BatchProducer` makes the
     next batch in a background thread from a synced copy of the student while this step scores and updates) on
     ``cfg.prompts()``, reverse KL, one teacher. Runs ``cfg.warmup`` steps, then times ``cfg.steps`` back to back (the
     background generation runs during them, so only their wall time means anything). Returns (seconds, response
-    tokens learned from) of the timed steps."""
+    tokens learned from) of the timed steps. ``data`` and ``verifiers`` as for :func:`opd_steps`."""
     from tasks.training.distill import BatchProducer, score_with_teachers, update_step
     from tasks.modeling.teacher import checkpoint_teachers
     from tasks.objectives.losses import Objective
     from tasks.training.sft import make_optimizer
 
-    prompts, routes, answers = cfg.prompts()
+    prompts, routes, answers = data or cfg.prompts()
     B, n = cfg.batch_size, len(prompts) // cfg.batch_size
 
     class InOrder:
@@ -140,7 +146,7 @@ def overlapped_opd_seconds(cfg: BenchOPDConfig, student, teacher, tok) -> tuple[
 
     optimizer, scheduler = make_optimizer(student, cfg.lr, 0.0, 0, cfg.warmup + cfg.steps)
     producer = BatchProducer(student, tok, InOrder(), None, {r: cfg.max_new_tokens for r in set(routes)}, B,
-                             overlap=True, verifiers=world_verifiers(list(set(routes))))
+                             overlap=True, verifiers=verifiers or world_verifiers(list(set(routes))))
     objectives = {r: Objective(loss="reverse_kl") for r in set(routes)}
     tokens, t0 = 0, 0.0
     try:
@@ -237,3 +243,16 @@ def publish(cfg: BaseModel, run_name: str, headers: Sequence[str], rows: Sequenc
     end_run(run_id)
     say(f"MLflow run {run_id} (experiment {cfg.experiment}) in {tracking_uri()}")
     return run_id
+
+
+def real_prompt_set(base: str | None = None):
+    """``(base, prompt set)`` of the real profile: its converted base (``base``: that folder instead) and the merge's
+    own prompt set of its routes, rendered with the base's template (built once, then cached in the state folder)."""
+    from tasks.config import pipeline_config
+    from tasks.modeling.convert import resolve_base
+    from tasks.specs.prompt_set import load_prompt_set
+    from tasks.training.pretrain import prompt_set_task
+
+    real = pipeline_config("real")
+    base = base or resolve_base(real.base_model)
+    return base, load_prompt_set(prompt_set_task(real.spec, real.world, base))

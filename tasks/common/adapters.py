@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_SUBFOLDER = "adapter"  # a LoRA-trained model's peft adapter, in this subfolder of its (merged) checkpoint
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -40,3 +41,9 @@ def tokenizer_source(uri: str | Path, base: str | None = None) -> str:
     if base and not any((Path(uri).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         return base
     return str(uri)
+
+
+def saved_adapter(uri: str | Path) -> Path | None:
+    """The peft adapter a LoRA-trained checkpoint keeps beside its merged weights (``<uri>/adapter``), if any."""
+    folder = Path(uri).expanduser() / ADAPTER_SUBFOLDER
+    return folder if (folder / ADAPTER_CONFIG).is_file() else None

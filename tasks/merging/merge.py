@@ -69,6 +69,7 @@ from tasks.merging.merge_state import MergeState
 from tasks.merging.route_mix import hold_out, route_need, route_shares, smooth_need
 from tasks.modeling.models import base_problems, checkpoint_fingerprint, load_model
 from tasks.modeling.rollout import compile_generation, eos_ids
+from tasks.modeling.shared_base import SharedBase, TeacherModels, sharing_groups
 from tasks.common.paths import models_dir
 from tasks.specs.prompt_set import load_prompt_set
 from tasks.training.launch import job_dir, launch
@@ -119,19 +120,14 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
     return m
 
 
-def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, device: str = "auto", dtype: str = "fp32",
-                  messages: list[dict[str, str]] | None = None, student_fp: str | None = None) -> torch.nn.Module:
-    """A teacher's checkpoint, frozen, on ``device`` in ``dtype`` (the merge's ``opd.teacher_device`` and
-    ``opd.teacher_dtype``), once its tokenizer is checked (before any weight is read): the student's for a plain
-    teacher, the one it was registered with for an aligned one; with ``messages`` (a chat route it serves, its first
-    row's messages) also its chat template: the student's rendering for a plain teacher, one at all for an aligned
-    one (registration checked the same; the checkpoint may have changed since); a LoRA adapter's named base
-    (:func:`tasks.modeling.models.base_problems`), onto which it loads. ``student_fp``: the student
-    tokenizer's fingerprint, when the caller has it (the merge computes it once, not at every reload)."""
+def check_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase,
+                  messages: list[dict[str, str]] | None = None, student_fp: str | None = None) -> None:
+    """What :func:`_load_teacher` checks before any weight is read (ValueError naming the teacher): its tokenizer
+    against the student's (a plain teacher) or the one it was registered with (an aligned one), its chat template on
+    ``messages``, its adapter's named base."""
     if problems := base_problems(rec.model_uri, rec.base_model, rec.base_fingerprint):
         raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
-    base = rec.base_model or None
-    teacher_tok = load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=base)
+    teacher_tok = load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=rec.base_model or None)
     fp, student_fp = tokenizer_fingerprint(teacher_tok), student_fp or tokenizer_fingerprint(student_tok)
     if rec.wrapper == "aligned" and fp != rec.tokenizer_fingerprint:
         raise ValueError(f"aligned teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, registered with "
@@ -147,6 +143,19 @@ def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, devi
                     else aligned_problems(teacher_tok, messages))
         if problems:
             raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
+
+
+def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, device: str = "auto", dtype: str = "fp32",
+                  messages: list[dict[str, str]] | None = None, student_fp: str | None = None) -> torch.nn.Module:
+    """A teacher's checkpoint, frozen, on ``device`` in ``dtype`` (the merge's ``opd.teacher_device`` and
+    ``opd.teacher_dtype``), once its tokenizer is checked (before any weight is read): the student's for a plain
+    teacher, the one it was registered with for an aligned one; with ``messages`` (a chat route it serves, its first
+    row's messages) also its chat template: the student's rendering for a plain teacher, one at all for an aligned
+    one (registration checked the same; the checkpoint may have changed since); a LoRA adapter's named base
+    (:func:`tasks.modeling.models.base_problems`), onto which it loads. ``student_fp``: the student
+    tokenizer's fingerprint, when the caller has it (the merge computes it once, not at every reload)."""
+    check_teacher(rec, student_tok, messages, student_fp)
+    base = rec.base_model or None
     model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=base), device, dtype)
     model.requires_grad_(False)
     return model.eval()
@@ -295,6 +304,16 @@ class MergeLoop:
                                 opd.max_resident_teachers,
                                 **host_parking(resolve_device(opd.teacher_device), opd.teacher_offload))
         self.kinds = {name: teacher_kind(rec, opd.teacher_backend) for name, rec in records.items()}
+        # opd.teacher_sharing adapters: the teachers that are LoRA adapters of one base share one copy of it, each
+        # teacher's adapter switched on to score or sample (tasks/modeling/shared_base.py); the rest stay in the pool.
+        self.shared = [SharedBase(base, adapters, self._shared_loader(base, [records[n] for n in adapters], served,
+                                                                      student_fp))
+                       for base, adapters in sharing_groups({n: rec for n, rec in records.items()
+                                                             if self.kinds[n] == "checkpoint"}).items()
+                       ] if opd.teacher_sharing == "adapters" else []
+        self.teacher_models = TeacherModels(self.pool, self.shared) if self.shared else self.pool
+        if self.shared:
+            say("teachers sharing a base: " + "; ".join(f"{sorted(s)} on {s.base}" for s in self.shared))
         self.teacher_of = {r: router.teacher_for(r).name for r in self.routes}  # the primary
         # Every teacher of each route (the primary first); a route with several combines them (the spec's combine).
         self.teachers_of = {r: [rec.name for rec in router.teachers_for(r)] for r in self.routes}
@@ -337,7 +356,7 @@ class MergeLoop:
                                         load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code,
                                                        base=rec.base_model or None), self.tok, self.eos)
                    for name, rec in records.items() if rec.wrapper == "aligned"}
-        self.teachers = make_teachers(self.kinds, self.pool, self.servers, len(self.tok), aligned)
+        self.teachers = make_teachers(self.kinds, self.teacher_models, self.servers, len(self.tok), aligned)
         self.digit_ids = digit_ids(self.tok)
         # A route with several teachers takes each prompt's off-policy sample from one of them, by its weight.
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
@@ -588,6 +607,7 @@ class MergeLoop:
                      "rollout/staleness": float(staleness), "time/update": st.seconds["update"],
                      "teachers/loads": float(self.pool.loads), "teachers/evictions": float(self.pool.evictions),
                      "teachers/resident": float(len(self.pool.resident)),
+                     "teachers/shared": float(sum(len(sb) for sb in self.shared)),
                      "time/train_total": self.state.train_seconds}
                 m.update({f"signal_scale/{r}": v for r, v in st.signal_scale.items()})
                 if self.pool.park is not None:  # teachers parked in host memory, moved back to the GPU
@@ -770,6 +790,16 @@ class MergeLoop:
         self.finish()
         return base_scores
 
+    def _shared_loader(self, base: str, recs: list, served: dict, student_fp: str):
+        """What loads a shared base (:class:`SharedBase`): each of its teachers checked as a pool load checks it,
+        then the base, frozen on opd.teacher_device in opd.teacher_dtype."""
+        def load():
+            for rec in recs:
+                check_teacher(rec, self.tok, served.get(rec.name), student_fp)
+            model = place_frozen(load_model(base), self.opd.teacher_device, self.opd.teacher_dtype)
+            return model.requires_grad_(False).eval()
+        return load
+
     def cleanup(self) -> None:
         """Release what setup took, whether training finished or failed: the served teachers' engines and clients,
         the student's rollout engine and the resident teachers."""
@@ -780,6 +810,8 @@ class MergeLoop:
         if self.servers is not None:
             self.servers.resident.clear()
         self.pool.resident.clear()
+        for shared in self.shared:
+            shared.release()
         self.engine = self.servers = None
         gc.collect()
 

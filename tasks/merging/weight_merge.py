@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from tasks.common.adapters import saved_adapter
+
 StateDict = dict[str, torch.Tensor]
 
 METHODS = ("task_arithmetic", "ties", "dare")
@@ -153,7 +155,7 @@ def merge_checkpoints(
         raise ValueError("no experts to merge: pass at least one expert checkpoint")
     if method != "task_arithmetic":
         _check_density(density)
-    adapters = [adapter_of(u) for u in expert_uris]
+    adapters = [saved_adapter(u) for u in expert_uris]
     if all(adapters):
         return merge_adapters(base_uri, adapters, method, out_dir, density, scale, seed)
     tok = load_tokenizer(base_uri)
@@ -197,15 +199,6 @@ def merge_checkpoints(
     }
     (out / "weight_merge.json").write_text(json.dumps(record, indent=2) + "\n")
     return str(out)
-
-
-def adapter_of(uri: str | Path) -> Path | None:
-    """The peft adapter a LoRA-trained checkpoint keeps beside its merged weights (``<uri>/adapter``), if any."""
-    from tasks.common.adapters import ADAPTER_CONFIG
-    from tasks.training.sft import ADAPTER
-
-    folder = Path(uri) / ADAPTER
-    return folder if (folder / ADAPTER_CONFIG).is_file() else None
 
 
 def merge_adapters(base_uri: str | Path, adapter_dirs: Sequence[str | Path], method: str, out_dir: str | Path,

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from tasks.config import LoRAFields, TrainConfig
+from tasks.common.adapters import ADAPTER_SUBFOLDER
 from tasks.evaluation.evaluate import derail
 from tasks.modeling.device import autocast_for, model_device
 from tasks.modeling.rollout import position_ids_from_mask
@@ -32,9 +33,6 @@ def with_lora(model: PreTrainedModel, cfg: LoRAFields):
     return get_peft_model(model, lora)
 
 
-ADAPTER = "adapter"  # a LoRA-trained model's peft adapter, in this subfolder of its (merged) checkpoint
-
-
 def save_trained(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out_dir, state_dict: dict | None = None):
     """Save a trained model as a complete checkpoint in ``out_dir`` (:func:`tasks.modeling.models.save_model`); a
     LoRA-wrapped one is saved merged into its base, with its adapter (peft's own format: adapter_config.json names
@@ -42,7 +40,7 @@ def save_trained(model: PreTrainedModel, tok: PreTrainedTokenizerBase, out_dir, 
     from tasks.modeling.models import save_model
 
     if hasattr(model, "merge_and_unload"):
-        save_model(model, tok, Path(out_dir) / ADAPTER)
+        save_model(model, tok, Path(out_dir) / ADAPTER_SUBFOLDER)
         model = model.merge_and_unload()
     return model, save_model(model, tok, out_dir, state_dict)
 
