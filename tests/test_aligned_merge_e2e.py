@@ -94,7 +94,10 @@ def merged(prefect_server, project):
                           experiment="aligned-merge", min_accuracy=0.0)
     mcfg = cfg.merge(str(project["base"]), ["other-greet", "plain-echo"], opd={
         "steps": 120, "batch_size": 16, "lr": 3e-2, "warmup_steps": 2, "eval_every": 1000, "checkpoint_every": 0,
-        "cold_start_steps": 0, "gate_threshold": 0.0, "recovery_prompts": 0})
+        "cold_start_steps": 0, "gate_threshold": 0.0, "recovery_prompts": 0,
+        # fp32: the real profile's bf16 autocast (since 2671c6f) leaves this 32-wide student at 0.0 on greet at lr
+        # 3e-2 (measured 2026-12-06; open finding in issue 31's note), which is not what this test is about.
+        "dtype": "fp32"})
     return str(plain_refusal.value), registry.get("other-greet"), merge(mcfg)
 
 
