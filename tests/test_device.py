@@ -79,7 +79,7 @@ def loss_of(tok, student_dtype: str, teacher_dtype: str) -> tuple[float, list[fl
     """The first update's loss and the student's per-token log-probs of the fixed batch, from the same initial weights
     (seed 0 student, seed 1 teacher) at the given precisions."""
     student = place_trained(peaked(tok, 0), "cpu", student_dtype)
-    teacher = place_frozen(peaked(tok, 1), "cpu", teacher_dtype).eval()
+    teacher = place_frozen(peaked(tok, 1), "cpu", teacher_dtype)
     batch = fixed_batch(tok)
     (logq_B_T,) = token_logprobs(student, batch.rollout, (1.0,), vocab_size=len(tok))
     optimizer, _ = make_optimizer(student, 1e-3, 0.0, 0, 10)
@@ -147,8 +147,8 @@ def test_exopd_with_reference_in_another_dtype_than_the_teacher(tok):
     batch = fixed_batch(tok)
     values = []
     for teacher_dtype in ("fp32", "bf16"):
-        teacher = place_frozen(peaked(tok, 1), "cpu", teacher_dtype).eval()
-        reference = place_frozen(peaked(tok, 2), "cpu", "fp32").eval()
+        teacher = place_frozen(peaked(tok, 1), "cpu", teacher_dtype)
+        reference = place_frozen(peaked(tok, 2), "cpu", "fp32")
         scores = score_with_teachers(checkpoint_teachers({"t": teacher}), {"t": [0, 3]}, batch.rollout)
         rows, hidden, head, _, _ = extrapolate_scores(scores, reference, batch.rollout, 1.5, vocab_size=len(tok))["t"]
         assert hidden.dtype == torch.float32

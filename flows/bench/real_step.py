@@ -30,9 +30,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from tasks.bench.helpers import parse_bench_config, publish
+from tasks.bench.helpers import BenchStepFields, parse_bench_config, publish
 from tasks.common.log import say
-from tasks.config import _Config
 
 Variant = Literal["fp32", "caps", "bf16", "bf16-teachers", "shared", "lora"]
 # What each variant changes over the one before it (the table's order is the config's).
@@ -46,20 +45,16 @@ SETTINGS: dict[str, dict] = {
 }
 
 
-class BenchRealStepConfig(_Config):
-    """Variants, batch and step counts of the real profile's step-time table."""
+class BenchRealStepConfig(BenchStepFields):
+    """Variants, batch and step counts of the real profile's step-time table (lr 1e-4: the real profile's opd.lr;
+    seed: which training prompts, shuffled with it, make the batches)."""
 
     variants: list[Variant] = Field(default_factory=lambda: list(SETTINGS), min_length=1,
                                     description="Variants timed side by side, in this order: " + ", ".join(SETTINGS))
     batch_size: int = Field(8, ge=1, le=256, description="Prompts per step (the real profile's opd.batch_size).")
-    warmup: int = Field(1, ge=1, description="Steps per variant not counted.")
     steps: int = Field(3, ge=1, description="Timed steps per variant.")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (the real profile's opd.lr).")
-    chunk_size: int = Field(16, ge=1, description="Positions per chunk of our divergence.")
     threads: int = Field(2, ge=1, description="torch threads.")
-    seed: int = Field(0, ge=0, description="Which training prompts (shuffled with it) make the batches.")
     teacher_prefix: str = Field("spec", min_length=1, description="Registry names of the teachers: <prefix>-<route>.")
-    experiment: str = Field("opd-bench", min_length=1, description="MLflow experiment.")
 
 
 def bench_real_step_config(profile: str = "default") -> BenchRealStepConfig:
@@ -102,7 +97,7 @@ def time_variant(cfg: BenchRealStepConfig, variant: str, base: str, ps, records,
     student = place_trained(with_lora(load_model(base), OPDConfig(lora_rank=s["lora_rank"], seed=cfg.seed)), "cpu",
                             s["dtype"])
     def frozen(uri, base=None):
-        return place_frozen(load_model(uri, base=base), "cpu", s["teacher_dtype"]).eval().requires_grad_(False)
+        return place_frozen(load_model(uri, base=base), "cpu", s["teacher_dtype"])
 
     if s["sharing"] == "adapters":
         groups = sharing_groups(records)

@@ -71,7 +71,7 @@ def time_shape(cfg: BenchStepConfig, shape: str, dtype: str = "fp32") -> dict:
     tok = build_char_tokenizer()
     student = place_trained(create_model(tok, seed=cfg.seed, **parse_shape(shape).model_dump()), cfg.device, dtype)
     teacher = place_frozen(create_model(tok, seed=cfg.seed + 1, **parse_shape(shape).model_dump()), cfg.device,
-                           dtype).eval().requires_grad_(False)
+                           dtype)
     step = opd_steps(cfg, student, teacher, tok)
     for i in range(cfg.warmup):
         step(i)

@@ -175,7 +175,7 @@ def run_pair(cfg: BenchTRLConfig, student_path, teacher_path, tok, root: Path, d
         return place_trained(load_model(student_path), cfg.device, cfg.dtype)
 
     def teacher_model():
-        return place_frozen(load_model(teacher_path), cfg.device, cfg.dtype).eval().requires_grad_(False)
+        return place_frozen(load_model(teacher_path), cfg.device, cfg.dtype)
 
     student = student_model()
     our_step = opd_steps(cfg, student, teacher_model(), tok, data, verifiers)

@@ -54,22 +54,29 @@ def parse_shape(text: str) -> ModelConfig:
     return ModelConfig(hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=4 * hidden)
 
 
-class BenchOPDConfig(_Config):
-    """What the benchmarks of our OPD step share (``flows.bench.step``, ``flows.bench.trl``)."""
+class BenchStepFields(_Config):
+    """What every timing of our OPD step takes: its batch, steps, optimizer, threads and MLflow experiment
+    (``flows.bench.step``, ``flows.bench.trl``, ``flows.bench.real_step``)."""
 
-    shapes: list[str] = Field(
-        default_factory=lambda: ["64x2x2", "256x4x4"],
-        description="Model shapes HIDDENxLAYERSxHEADS (MLP 4x hidden); the teacher has the student's shape.",
-    )
     batch_size: int = Field(16, ge=1, le=4096, description="Prompts per step.")
-    max_new_tokens: int = Field(32, ge=1, le=100, description="Rollout length cap.")
-    warmup: int = Field(1, ge=1, description="Steps per shape not counted.")
-    steps: int = Field(4, ge=1, description="Timed steps per shape.")
+    warmup: int = Field(1, ge=1, description="Steps per shape (or variant) not counted.")
+    steps: int = Field(4, ge=1, description="Timed steps per shape (or variant).")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     chunk_size: int = Field(16, ge=1, description="Positions per chunk of our divergence.")
     threads: int = Field(1, ge=1, description="torch threads.")
     seed: int = Field(0, ge=0)
     experiment: str = Field("opd-bench", min_length=1, description="MLflow experiment.")
+
+
+class BenchOPDConfig(BenchStepFields):
+    """What the benchmarks of our OPD step on untrained checkpoints share (``flows.bench.step``,
+    ``flows.bench.trl``): their shapes and the built-in world's prompts."""
+
+    shapes: list[str] = Field(
+        default_factory=lambda: ["64x2x2", "256x4x4"],
+        description="Model shapes HIDDENxLAYERSxHEADS (MLP 4x hidden); the teacher has the student's shape.",
+    )
+    max_new_tokens: int = Field(32, ge=1, le=100, description="Rollout length cap.")
 
     @field_validator("shapes")
     @classmethod

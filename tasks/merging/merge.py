@@ -156,9 +156,7 @@ def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, devi
     tokenizer's fingerprint, when the caller has it (the merge computes it once, not at every reload)."""
     check_teacher(rec, student_tok, messages, student_fp)
     base = rec.base_model or None
-    model = place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=base), device, dtype)
-    model.requires_grad_(False)
-    return model.eval()
+    return place_frozen(load_model(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=base), device, dtype)
 
 
 class GateBlocked(RuntimeError):
@@ -270,7 +268,7 @@ class MergeLoop:
         self.eos = eos_ids(self.tok, self.student)
         # ExOPD's reference (reward_scale != 1): frozen, loaded before the student's resumed weights replace its init.
         self.reference = (place_frozen(load_model(opd.reference_uri or cfg.student_uri), opd.reference_device,
-                                       opd.reference_dtype).eval()
+                                       opd.reference_dtype)
                           if opd.reward_scale != 1.0 else None)
         self.checkpoints = checkpoints
         self.resumed_from = checkpoints.latest() if checkpoints is not None else None
@@ -796,8 +794,7 @@ class MergeLoop:
         def load():
             for rec in recs:
                 check_teacher(rec, self.tok, served.get(rec.name), student_fp)
-            model = place_frozen(load_model(base), self.opd.teacher_device, self.opd.teacher_dtype)
-            return model.requires_grad_(False).eval()
+            return place_frozen(load_model(base), self.opd.teacher_device, self.opd.teacher_dtype)
         return load
 
     def cleanup(self) -> None:

@@ -91,8 +91,9 @@ def place_trained(model: torch.nn.Module, device: DeviceName | str, dtype: DType
 
 
 def place_frozen(model: torch.nn.Module, device: DeviceName | str, dtype: DTypeName | str) -> torch.nn.Module:
-    """A frozen model (a teacher, a reference) on its ``device``, its weights held in ``dtype``; returns it."""
-    return model.to(device=resolve_device(device), dtype=torch_dtype(dtype))
+    """``model`` frozen (no gradients, eval mode: a teacher, a reference) on its ``device``, its weights held in
+    ``dtype``; returns it."""
+    return model.to(device=resolve_device(device), dtype=torch_dtype(dtype)).requires_grad_(False).eval()
 
 
 def resolve_backend(backend: str, device_type: str) -> str:
