@@ -78,7 +78,7 @@ def test_the_benchmark_on_the_real_profile_keeps_its_spec_its_cold_start_and_its
     cfg, real = benchmark_config("real"), pipeline_config("real")
     assert cfg.spec == real.spec and cfg.world.routes == real.world.routes
     assert (cfg.opd.cold_start_steps, cfg.opd.gate_threshold) == (real.opd.cold_start_steps, real.opd.gate_threshold)
-    assert cfg.opd.cold_start_steps == 30
+    assert cfg.opd.cold_start_steps == 120
 
 
 @pytest.mark.e2e

@@ -86,7 +86,7 @@ def test_the_main_job_merges_in_two_stages_and_the_comparisons_start_plain():
     assert pipeline_config("default").opd.cold_start_steps == 100
     assert MergeConfig().opd.cold_start_steps == 100
     assert pipeline_config("quick").opd.cold_start_steps == 0
-    assert pipeline_config("real").opd.cold_start_steps == 30
+    assert pipeline_config("real").opd.cold_start_steps == 120
     for profile in ("default", "quick"):
         bench = benchmark_config(profile)
         assert bench.opd.cold_start_steps == 0

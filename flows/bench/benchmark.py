@@ -137,7 +137,7 @@ def benchmark_config(profile: str = "default", **overrides: Any) -> BenchmarkCon
         opd["gate_threshold"] = 0.5
         opd["cold_start_steps"] = 0  # the methods start plain (the default is two-stage): opd_two_stage adds it
     # (the real profile keeps its cold start and gate: its base answers in sentences, and every method, on-policy or
-    # not, starts with the same 30 steps on the routes' reference completions)
+    # not, starts with the same cold start (opd.cold_start_steps) on the routes' reference completions)
     data = {**data, "experiment": "opd-benchmark"}
     return BenchmarkConfig.model_validate(_deep_merge(data, overrides))
 
