@@ -654,9 +654,10 @@ def _real_overrides() -> dict[str, Any]:
         # on-policy steps until an off-policy cold start on the routes' reference completions teaches the format.
         # bf16 autocast on the student (update 0.40 of fp32 step time at this width on a bf16 CPU): the steps go to
         # the merge, which was still climbing at 150 fp32 steps. The LoRA teachers share one base (adapters
-        # switched: 7.4 GB peak RSS against 10.0), the batches lean to the route that lags (route_sampling
-        # retention) and the cold start runs 120 steps, not 30: measured on the same specialists, mean retention
-        # 0.678 -> 0.715, arith-answer 0.286 -> 0.369, for 6 more minutes of merge (README, The real profile).
+        # switched: the merge peaked at 7.4 GB RSS, the whole profile with merged teachers at 10.0), the batches
+        # lean to the route that lags (route_sampling retention) and the cold start runs 120 steps, not 30:
+        # measured on the same specialists, mean retention 0.678 -> 0.715, arith-answer 0.286 -> 0.369, for 6 more
+        # minutes of merge (README, The real profile; token KD on teacher samples kept 0.872 at the same steps).
         "opd": {"steps": 240, "batch_size": 8, "lr": 1e-4, "warmup_steps": 10, "eval_every": 80, "pass_k": 0,
                 "dtype": "bf16", "teacher_sharing": "adapters", "route_sampling": "retention",
                 "checkpoint_every": 50, "gate_samples": 16, "cold_start_steps": 120, "cold_start_lr": 1e-4,
