@@ -9,7 +9,7 @@ Run:  python -m flows.register --name rev-high-v2 --route rev-high --model_uri .
 from __future__ import annotations
 
 import sys
-from typing import Literal, Optional
+from typing import Optional
 
 from prefect import flow
 from pydantic import Field, field_validator, model_validator
@@ -20,7 +20,7 @@ from tasks.common.paths import world_dir
 from tasks.tracking.runs import publish_teacher, teacher_model_name
 from tasks.specs.render import route_messages
 from tasks.specs.spec import check_route_name
-from teachers.registry import Provenance, TeacherRegistry
+from teachers.registry import WRAPPERS, Provenance, TeacherRecord, TeacherRegistry, Wrapper  # noqa: F401
 
 
 class RegisterConfig(_Config):
@@ -40,10 +40,8 @@ class RegisterConfig(_Config):
     base_model: str = Field("", description="For a LoRA adapter folder as model_uri: the base it applies to (local "
                             "folder or hub id); empty = the one its adapter_config.json names. Checked at every load.")
     mlflow: bool = Field(True, description="Also register it in the MLflow model registry (model teacher-ROUTE).")
-    wrapper: Literal["plain", "aligned"] = Field(
-        "plain", description="plain: it shares the student's tokenizer and scores the student's tokens as they are; "
-        "aligned: a model of another family (its own tokenizer and chat template), aligned to the student's tokens "
-        "by their bytes.")
+    wrapper: Wrapper = Field("plain", description=TeacherRecord.model_fields["wrapper"].description + ".")
+    context_template: str = Field("", description=TeacherRecord.model_fields["context_template"].description + ".")
 
     @field_validator("route")
     @classmethod
@@ -68,6 +66,7 @@ def register_teacher(cfg: RegisterConfig) -> dict:
         cfg.name, cfg.route, cfg.model_uri, cfg.student_tokenizer or str(world_dir() / "tokenizer"),
         eval_score=cfg.eval_score, provenance=Provenance(source="register-teacher"), replace=cfg.replace,
         trust_remote_code=cfg.trust_remote_code, endpoint=cfg.endpoint, wrapper=cfg.wrapper,
+        context_template=cfg.context_template,
         messages=route_messages(cfg.spec, cfg.route) if cfg.spec else None, base_model=cfg.base_model,
     )
     out = {"name": record.name, "route": record.route, "model_uri": record.model_uri}

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.problems import CONFIG, InputError, Problem  # noqa: F401  (re-exported: the checks' vocabulary)
+from tasks.modeling.routing import reads_own_text
 
 # The architecture a fine-tune keeps from its base (transformers config attributes; gpt2-style names are aliased).
 ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -157,6 +158,24 @@ def spec_problems(cfg, tokenizer: str = "", context: int = 128):
         except ValueError as e:
             return ps, [Problem(CONFIG, "opd", str(e))]
     return ps, []
+
+
+def context_problems(ps, rec, registry_file: str) -> list[Problem]:
+    """A context teacher (``wrapper: context``) reads its route's privileged context on every row: rows of the
+    prompt set ``ps`` without one are refused (counted per split), naming the spec fields that give it."""
+    if getattr(rec, "wrapper", "plain") != "context" or ps is None or rec.route not in ps.routes:
+        return []
+    render = ps.route(rec.route).render
+    if render.kind == "format" and "{context}" in render.template:
+        return [Problem(ps.spec.path or "<spec>", f"routes[{rec.route}].render.template", f"writes {{context}} into "
+                        f"the student's prompt, and teacher {rec.name!r} (wrapper context) reads it as privileged "
+                        "context the student must not see; expected a template without {context}")]
+    empty = {split: sum(not str(c).strip() for c in ps.rows(split)[rec.route]["context"]) for split in ("train", "eval")}
+    if not any(empty.values()):
+        return []
+    return [Problem(registry_file, f"teacher {rec.name!r}.wrapper", f"context: it reads route {rec.route}'s "
+                    f"privileged context, and {empty['train']} training / {empty['eval']} held-out row(s) have none; "
+                    f"expected routes[{rec.route}].data.context_column or data.context_function in the spec")]
 
 
 def first_prompt_messages(ps, route: str) -> list[dict[str, str]] | None:
@@ -415,7 +434,7 @@ def teacher_problems(rec, student: Checkpoint, registry_file: str, eval_prompts:
     ck = check_checkpoint(rec.model_uri, f"{name}.model_uri", rec.trust_remote_code, grant, base)
     problems = list(ck.problems) + [Problem(registry_file, f"{name}.base_model", p)
                                     for p in base_problems(rec.model_uri, base, getattr(rec, "base_fingerprint", ""))]
-    aligned = getattr(rec, "wrapper", "plain") == "aligned"
+    aligned = reads_own_text(rec)
     if ck.tokenizer is not None:
         own = getattr(ck.tokenizer, "chat_template", None)
         if aligned:  # another tokenizer and template: it renders its own input, so it must be able to

@@ -22,7 +22,7 @@ from pathlib import Path
 from tasks.cli import DEBUG, DEBUG_HELP, missing_path_problems, run_main
 from tasks.common.paths import world_dir
 from tasks.preflight import CONFIG, InputError, Problem
-from teachers.registry import Provenance, TeacherRegistry
+from teachers.registry import WRAPPERS, Provenance, TeacherRecord, TeacherRegistry
 from tasks.common.table import format_table
 
 COMMAND_LINE = "command line"  # the ``file`` of a problem in this CLI's flags
@@ -48,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "to (local folder or hub id); default: the one its adapter_config.json names")
     reg.add_argument("--eval_score", type=float, default=None, help="accuracy on its route, in [0, 1]")
     reg.add_argument("--replace", action="store_true", help="overwrite a teacher of the same name")
-    reg.add_argument("--wrapper", choices=["plain", "aligned"], default="plain",
-                     help="plain: shares the student's tokenizer; aligned: a model of another family (its own "
-                     "tokenizer and chat template), aligned to the student's tokens by their bytes")
+    reg.add_argument("--wrapper", choices=list(WRAPPERS), default="plain",
+                     help=TeacherRecord.model_fields["wrapper"].description)
+    reg.add_argument("--context_template", default="", help=TeacherRecord.model_fields["context_template"].description)
     reg.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
     reg.add_argument("--endpoint", default="", help="vLLM OpenAI-compatible server serving this checkpoint "
                      "(http://host:port); its log-probs are checked against the checkpoint before registering")
@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> None:
             endpoint=args.endpoint,
             parity_tol=args.parity_tol,
             wrapper=args.wrapper,
+            context_template=args.context_template,
             messages=_route_messages(args),
             base_model=args.base_model,
         )

@@ -25,6 +25,7 @@ from tasks.preflight import (
     check_checkpoint,
     credential_problems,
     finish,
+    context_problems,
     first_prompt_messages,
     spec_problems,
     teacher_problems,
@@ -107,6 +108,7 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
             eval_prompts = held_out[rec.route][0] if rec.route in held_out else None
             problems += teacher_problems(rec, student, str(registry.path), eval_prompts, current, student_fp,
                                          lambda route=rec.route: first_prompt_messages(ps, route))
+            problems += context_problems(ps, rec, str(registry.path))
     return finish(problems, report, say_warnings)
 
 

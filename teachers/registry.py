@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tasks.common.paths import registry_path
 from tasks.common.problems import UserError
-from tasks.specs.spec import check_route_name
+from tasks.specs.spec import check_context_template, check_route_name
+from tasks.modeling.routing import WRAPPERS, Wrapper, reads_own_text
 from tasks.modeling.routing import registry_fingerprint  # noqa: F401  (re-exported: the registry's fingerprint)
 
 if TYPE_CHECKING:
@@ -111,10 +112,15 @@ class TeacherRecord(BaseModel):
         "auto", description="how its scores are computed: its checkpoint, an in-process vLLM engine, or its endpoint; "
         "auto = as the merge's opd.teacher_backend says (an aligned teacher: its checkpoint)"
     )
-    wrapper: Literal["plain", "aligned"] = Field(
+    wrapper: Wrapper = Field(
         "plain", description="plain: scores the student's tokens as they are (same tokenizer); aligned: a model of "
         "another tokenizer and chat template, which renders each row its own way and is aligned to the student's "
-        "tokens by their bytes"
+        "tokens by their bytes; context: privileged context, a teacher that reads each row with the row's context "
+        "column (a worked solution, a hint) in its prompt, which the student never sees"
+    )
+    context_template: str = Field(
+        "", description="wrapper context: how the row's context joins its user turn, a format string over "
+        "{context} and {prompt}; empty = the default (tasks/specs/render.py: CONTEXT_TEMPLATE)"
     )
     base_model: str = Field(
         "", description="for a LoRA adapter folder (peft's format) as model_uri: the base it applies to, a local "
@@ -140,9 +146,13 @@ class TeacherRecord(BaseModel):
 
     @model_validator(mode="after")
     def _aligned_transport(self) -> "TeacherRecord":
-        if self.wrapper == "aligned" and self.transport not in ("auto", "checkpoint"):
-            raise ValueError(f"an aligned teacher reads its own text through its checkpoint; transport "
+        if reads_own_text(self) and self.transport not in ("auto", "checkpoint"):
+            raise ValueError(f"an {self.wrapper} teacher reads its own text through its checkpoint; transport "
                              f"{self.transport!r} is not supported for it (expected auto or checkpoint)")
+        if self.context_template and self.wrapper != "context":
+            raise ValueError(f"context_template is for a context teacher (wrapper context), not {self.wrapper!r}")
+        if self.context_template:
+            check_context_template(self.context_template)
         return self
 
 
@@ -292,6 +302,7 @@ class TeacherRegistry:
         wrapper: str = "plain",
         messages: list[dict[str, str]] | None = None,
         base_model: str = "",
+        context_template: str = "",
     ) -> TeacherRecord:
         """Check that any HF checkpoint can teach the student, then add it; nothing is written unless it can.
 
@@ -302,7 +313,8 @@ class TeacherRegistry:
         as chat messages, when the route renders chat): the teacher's chat template must render them as the
         student's does, or, for an ``aligned`` teacher (``wrapper``: another tokenizer and template, read through
         :mod:`tasks.modeling.alignment`), it must have a chat template at all. An aligned teacher needs a fast
-        tokenizer and none of the same-tokenizer checks. A plain teacher's stop tokens (its EOS and its generation
+        tokenizer and none of the same-tokenizer checks; so does a ``context`` teacher (privileged context: it reads
+        each row with the row's context column written in by ``context_template``, whatever its tokenizer). A plain teacher's stop tokens (its EOS and its generation
         config's) must be tokens the student can produce, as the merge's preflight checks. A LoRA adapter folder
         loads onto ``base_model`` where given (else the base its adapter_config.json names), which is recorded with
         its weights' fingerprint; a named base that disagrees with the adapter's own (both local, other weights) is
@@ -348,9 +360,9 @@ class TeacherRegistry:
                     f"student tokenizer {str(reference_tokenizer)!r} does not load: "
                     f"{type(e).__name__}: {_first_line(e)}"
                 ) from e
-        if wrapper not in ("plain", "aligned"):
-            problems.append(f"wrapper {wrapper!r} is not one of ['plain', 'aligned']")
-        elif teacher_tok is not None and wrapper == "aligned":
+        if wrapper not in WRAPPERS:
+            problems.append(f"wrapper {wrapper!r} is not one of {list(WRAPPERS)}")
+        elif teacher_tok is not None and wrapper in ("aligned", "context"):  # it renders and reads its own text
             problems += aligned_problems(teacher_tok, messages)
         elif teacher_tok is not None:
             same = compatibility_problems(ref_tok, teacher_tok, messages)
@@ -386,6 +398,7 @@ class TeacherRegistry:
                 trust_remote_code=trust_remote_code,
                 endpoint=endpoint,
                 wrapper=wrapper,
+                context_template=context_template,
                 base_model=base or "",
                 base_fingerprint=base_fp,
             )

@@ -15,20 +15,11 @@ import torch
 import yaml
 
 from tasks.common.paths import PROJECT_ROOT
+from tests.tiny import tiny_llama
 
 DATA = PROJECT_ROOT / "tests" / "data"
 pytestmark = pytest.mark.e2e
 WORDS = ["apple", "river", "stone", "cloud", "green", "light", "table", "music"]
-
-
-def tiny_llama(tok, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tasks.modeling.alignment import (SortedVocab, align, decodable, digit_ids, stop_id, token_bytes, turn_end_text,
                                       vocab_map)
+from tests.tiny import tiny_llama
 
 DATA = Path(__file__).parent / "data"
 AWKWARD = ["12345", " 17 + 25 = 42", "  hello   world\n\tend", "héllo naïve 日本 🙂", "The answer is 42.",
@@ -127,16 +128,6 @@ def test_each_template_says_how_its_turn_ends(toks):
 # ---------------------------------------------------------------------------------------------- the aligned signal
 
 
-def tiny_llama(vocab: int, seed: int, tok):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
-
-
 MESSAGES = [{"role": "system", "content": "Answer with the final answer only."},
             {"role": "user", "content": "What is 17 + 25?"}]
 RESPONSES = ["The answer is 42.", "  12345 naïve", "h\u00e9"]  # the last one is cut inside 'é' below (its lead byte)
@@ -151,7 +142,7 @@ def scored(toks):
     from tasks.specs.render import RowText
 
     student, teacher_tok = toks
-    model = tiny_llama(len(teacher_tok), 1, teacher_tok)
+    model = tiny_llama(teacher_tok, 1, 512).eval()
     aligned = AlignedTeacher("other", {"other": model}, teacher_tok, student)
     prompt = student.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     texts = [RowText.of("r", prompt, MESSAGES)] * len(RESPONSES)
@@ -329,7 +320,7 @@ def test_its_own_samples_come_back_in_the_students_tokens(toks, scored):
 def other_teacher(tmp_path_factory, toks):
     _, teacher_tok = toks
     folder = tmp_path_factory.mktemp("other-teacher")
-    tiny_llama(len(teacher_tok), 2, teacher_tok).save_pretrained(folder)
+    tiny_llama(teacher_tok, 2, 512).eval().save_pretrained(folder)
     teacher_tok.save_pretrained(folder)
     return folder
 
@@ -368,7 +359,7 @@ def test_a_plain_teacher_without_a_chat_template_is_refused_on_a_chat_route(tmp_
 
     student, _ = toks
     folder = tmp_path / "same"
-    tiny_llama(len(student), 3, student).save_pretrained(folder)
+    tiny_llama(student, 3, 512).eval().save_pretrained(folder)
     student.save_pretrained(folder)
     (folder / "chat_template.jinja").unlink()
     reg = TeacherRegistry(tmp_path / "registry.json")
@@ -396,7 +387,7 @@ def test_a_teacher_whose_template_changed_since_registration_is_refused_at_load(
     student, _ = toks
     reg = TeacherRegistry(tmp_path / "registry.json")
     folder = tmp_path / "same"
-    tiny_llama(len(student), 3, student).save_pretrained(folder)
+    tiny_llama(student, 3, 512).eval().save_pretrained(folder)
     student.save_pretrained(folder)
     plain = reg.register_checkpoint("same", "r", folder, student, messages=MESSAGES)
     assert _load_teacher(plain, student, messages=MESSAGES) is not None

@@ -76,8 +76,8 @@ from tasks.training.launch import job_dir, launch
 from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups, shard_student,
                                     sum_stats)
 from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
-from tasks.modeling.routing import Routing, TeacherRecord, combining_refusal, registry_fingerprint
-from tasks.modeling.aligned import AlignedTeacher
+from tasks.modeling.routing import Routing, TeacherRecord, combining_refusal, reads_own_text, registry_fingerprint
+from tasks.modeling.aligned import own_text_teacher
 from tasks.modeling.alignment import aligned_problems, digit_ids
 from tasks.modeling.teacher import make_teachers, teacher_kind
 from tasks.modeling.teacher_pool import TeacherPool, host_parking
@@ -129,17 +129,17 @@ def check_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase,
         raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
     teacher_tok = load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code, base=rec.base_model or None)
     fp, student_fp = tokenizer_fingerprint(teacher_tok), student_fp or tokenizer_fingerprint(student_tok)
-    if rec.wrapper == "aligned" and fp != rec.tokenizer_fingerprint:
-        raise ValueError(f"aligned teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, registered with "
+    if reads_own_text(rec) and fp != rec.tokenizer_fingerprint:
+        raise ValueError(f"{rec.wrapper} teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, registered with "
                          f"{rec.tokenizer_fingerprint}: the checkpoint changed since; re-register it")
-    if rec.wrapper != "aligned" and fp != student_fp:
+    if not reads_own_text(rec) and fp != student_fp:
         raise ValueError(
             f"teacher {rec.name!r} ({rec.model_uri}) has tokenizer {fp}, the student has {student_fp}: "
             "OPD needs the teacher to score the student's exact tokens (a teacher of another tokenizer teaches as "
             "an aligned teacher: register it with --wrapper aligned)"
         )
     if messages:
-        problems = (compatibility_problems(student_tok, teacher_tok, messages) if rec.wrapper != "aligned"
+        problems = (compatibility_problems(student_tok, teacher_tok, messages) if not reads_own_text(rec)
                     else aligned_problems(teacher_tok, messages))
         if problems:
             raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
@@ -321,11 +321,11 @@ class MergeLoop:
         if refusal:
             raise ValueError(f"opd.teacher_backend {refusal}")
         mixed = sorted(r for r, names in self.teachers_of.items()
-                       if len(names) > 1 and any(records[n].wrapper == "aligned" for n in names))
+                       if len(names) > 1 and any(reads_own_text(records[n]) for n in names))
         if mixed:
-            raise ValueError(f"route(s) {mixed} combine several teachers, one of them aligned (another tokenizer): "
-                             "combining needs every teacher's distribution on the student's tokens; expected one "
-                             "teacher on a route with an aligned teacher")
+            raise ValueError(f"route(s) {mixed} combine several teachers, one of them reading its own text (an "
+                             "aligned or context wrapper): combining needs every teacher's distribution on the "
+                             "student's exact sequence; expected one teacher on such a route")
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         # opd.route_normalization: each route's group (itself, or its value of a spec label; unlabelled: itself).
         key = opd.route_normalization.removeprefix("label:")
@@ -350,10 +350,8 @@ class MergeLoop:
         self.engine, self.servers = self._vllm_engines(cfg, records, gold)
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind;
         # an aligned teacher (another tokenizer) wraps its checkpoint to read the student's text its own way.
-        aligned = {name: AlignedTeacher(name, self.pool,
-                                        load_tokenizer(rec.model_uri, trust_remote_code=rec.trust_remote_code,
-                                                       base=rec.base_model or None), self.tok, self.eos)
-                   for name, rec in records.items() if rec.wrapper == "aligned"}
+        aligned = {name: own_text_teacher(rec, self.pool, self.tok, self.eos)
+                   for name, rec in records.items() if reads_own_text(rec)}
         self.teachers = make_teachers(self.kinds, self.teacher_models, self.servers, len(self.tok), aligned)
         self.digit_ids = digit_ids(self.tok)
         # A route with several teachers takes each prompt's off-policy sample from one of them, by its weight.

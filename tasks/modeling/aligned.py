@@ -109,6 +109,7 @@ class AlignedTeacher:
         self.name, self.models, self.tok, self.student_tok = name, models, teacher_tok, student_tok
         self.student_eos = tuple(student_eos) or eos_ids(student_tok)
         self.student_bytes, self.teacher_bytes = token_bytes(student_tok), token_bytes(teacher_tok)
+        self.same_vocab = teacher_tok.get_vocab() == student_tok.get_vocab()
         self.sorted = SortedVocab.of(self.teacher_bytes)
         self.stop = stop_id(teacher_tok)
         # Several teacher ids of one text: the student's token maps onto the one the teacher writes, with the others'
@@ -120,6 +121,10 @@ class AlignedTeacher:
         for i in self.student_eos:
             if 0 <= i < len(mapping):
                 mapping[i] = self.stop if i == self.student_eos[0] else -1
+        if self.same_vocab:  # one vocabulary: every id is itself, specials included, and no mass is folded
+            self.folds, mapping = [], list(range(len(student_tok)))
+            if self.student_eos and self.stop != self.student_eos[0]:
+                mapping[self.student_eos[0]] = self.stop
         self.student_map = torch.tensor(mapping, dtype=torch.long)
         self._perm = torch.tensor(self.sorted.ids, dtype=torch.long)
 
@@ -135,6 +140,10 @@ class AlignedTeacher:
     def own_model(self) -> PreTrainedModel:
         """The checkpoint behind the teacher, in its own tokenizer."""
         return self.models[self.name]
+
+    def own_prompt(self, text: RowText) -> str:
+        """The prompt this teacher reads for a row: the row rendered through its own chat template."""
+        return text.render(self.tok)
 
     # -- reading the student's rows ------------------------------------------------------------------------------
 
@@ -156,8 +165,11 @@ class AlignedTeacher:
             if covered == readable:
                 break
             response, readable = decodable(b"".join(pieces)[:covered])
-        prompt_ids = self.tok(text.render(self.tok), add_special_tokens=False)["input_ids"]
-        resp_ids = self.tok(response, add_special_tokens=False)["input_ids"] if response else []
+        prompt_ids = self.tok(self.own_prompt(text), add_special_tokens=False)["input_ids"]
+        # The student's own ids where the teacher shares its vocabulary (a context teacher of the student's family):
+        # every token read as sampled, not re-tokenized from the text.
+        resp_ids = (body[:cut] if self.same_vocab else
+                    self.tok(response, add_special_tokens=False)["input_ids"] if response else [])
         try:
             recipes = align(pieces[:cut], [self.teacher_bytes[i] or b"" for i in resp_ids])
         except ValueError:  # the teacher's tokenizer changed the text (a normaliser): nothing of the row is read
@@ -259,7 +271,7 @@ class AlignedTeacher:
     def _own_generate(self, rows: Sequence[RowText], cap: int, greedy: bool, temperature: float = 1.0,
                       generator: torch.Generator | None = None):
         model = self.own_model
-        rollout = generate(model, self.tok, [t.render(self.tok) for t in rows], cap, greedy=greedy,
+        rollout = generate(model, self.tok, [self.own_prompt(t) for t in rows], cap, greedy=greedy,
                            temperature=temperature, generator=generator)
         stops = set(eos_ids(self.tok, model)) | {self.stop}
         texts, ended = [], []
@@ -284,3 +296,36 @@ class AlignedTeacher:
         """Greedy answers in the teacher's own template and tokens: texts, lengths (teacher tokens), truncated."""
         rollout, texts, ended = self._own_generate(rows, max_new_tokens, True)
         return texts, rollout.response_lengths_B.tolist(), [not e for e in ended]
+
+
+class ContextTeacher(AlignedTeacher):
+    """A teacher with privileged context (self-distillation with privileged information, OPSD): it reads each row
+    with the row's ``context`` column written into its user turn by ``template`` (:meth:`RowText.with_context`:
+    a worked solution, a hint, retrieved facts), which the student never sees, and scores the student's response
+    after it. Whatever its tokenizer (the student's own, or another family's), it reads the response as text like
+    :class:`AlignedTeacher`; with the student's tokenizer every response token is read with its full distribution.
+    Its held-out score and its samples are with the context too."""
+
+    wrapper = "context"
+
+    def __init__(self, name: str, models: Mapping[str, PreTrainedModel], teacher_tok: PreTrainedTokenizerBase,
+                 student_tok: PreTrainedTokenizerBase, student_eos: Sequence[int] = (), template: str = ""):
+        super().__init__(name, models, teacher_tok, student_tok, student_eos)
+        self.template = template
+
+    def own_prompt(self, text: RowText) -> str:
+        return text.with_context(self.template).render(self.tok)
+
+
+def own_text_teacher(record, models: Mapping[str, PreTrainedModel], student_tok: PreTrainedTokenizerBase,
+                     student_eos: Sequence[int] = ()) -> AlignedTeacher:
+    """The teacher object of a registered teacher that reads its own text (``record.wrapper`` aligned or context),
+    on its checkpoint ``models[record.name]``, in its own tokenizer."""
+    from tasks.specs.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(record.model_uri, trust_remote_code=record.trust_remote_code,
+                         base=getattr(record, "base_model", "") or None)
+    if record.wrapper == "context":
+        return ContextTeacher(record.name, models, tok, student_tok, student_eos,
+                              getattr(record, "context_template", ""))
+    return AlignedTeacher(record.name, models, tok, student_tok, student_eos)

@@ -7,7 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Literal, Protocol
+
+# What a teacher reads (a registry record's ``wrapper``; tasks/modeling/teacher.py says what each does).
+Wrapper = Literal["plain", "aligned", "context"]
+WRAPPERS: tuple[Wrapper, ...] = ("plain", "aligned", "context")
 
 
 class TeacherRecord(Protocol):
@@ -20,7 +24,8 @@ class TeacherRecord(Protocol):
     trust_remote_code: bool
     endpoint: str
     transport: str  # auto | checkpoint | engine | endpoint
-    wrapper: str  # plain | aligned (tasks/modeling/teacher.py: WRAPPERS)
+    wrapper: str  # one of WRAPPERS
+    context_template: str  # a context teacher's rendering of a row's context ('' the default)
 
 
 class Routing(Protocol):
@@ -43,6 +48,12 @@ class Routing(Protocol):
     def group(self, routes_per_row: Iterable[str]) -> dict[str, list[int]]: ...
 
 
+def reads_own_text(record: TeacherRecord) -> bool:
+    """Whether a registered teacher renders each row its own way and reads the student's response as text (an
+    ``aligned`` or a ``context`` wrapper), rather than scoring the student's exact sequence."""
+    return getattr(record, "wrapper", "plain") in ("aligned", "context")
+
+
 def combining_refusal(router: Routing, routes: Iterable[str], teacher_backend: str) -> str:
     """Why ``teacher_backend`` cannot serve ``routes`` ('' when it can): a route that combines several teachers needs
     their checkpoints' full distributions, i.e. the ``hf`` backend. The text follows the value it refuses."""
@@ -56,5 +67,6 @@ def combining_refusal(router: Routing, routes: Iterable[str], teacher_backend: s
 def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
     """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags and the merge's key."""
     payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint]
-                     + ([r.wrapper] if getattr(r, "wrapper", "plain") != "plain" else []) for r in records)
+                     + ([r.wrapper] if getattr(r, "wrapper", "plain") != "plain" else [])
+                     + ([r.context_template] if getattr(r, "context_template", "") else []) for r in records)
     return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]

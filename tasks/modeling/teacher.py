@@ -21,7 +21,9 @@ A teacher's kind is two things, both stored in its registry record: its *transpo
 ``endpoint``: how its numbers are computed) and its *wrapper* (:data:`WRAPPERS`): ``plain`` reads the student's
 tokens as they are; ``aligned`` (:class:`tasks.modeling.aligned.AlignedTeacher`) is a model of another tokenizer that
 renders each row through its own chat template from the row's :class:`tasks.specs.render.RowText` and gives a signal
-on the student's tokens with a mask of the positions it could read. Combined and extrapolated teachers wrap scores
+on the student's tokens with a mask of the positions it could read; ``context``
+(:class:`tasks.modeling.aligned.ContextTeacher`) reads the same way with the row's privileged ``context`` column
+written into its prompt, which the student never sees. Combined and extrapolated teachers wrap scores
 per route (the spec's ``combine``, ``opd.reward_scale``).
 
 Writing a teacher: implement :class:`Teacher`'s ``score`` (log-prob logits over the student's vocabulary at each
@@ -41,13 +43,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.modeling.engines import ALL_VOCAB, ServedHead, TeacherServer, pack_prompt_logprobs, real_tokens
 from tasks.modeling.rollout import Rollout, cap_responses, eos_ids, forward_hidden, generate
-from tasks.modeling.routing import TeacherRecord
+from tasks.modeling.routing import WRAPPERS, TeacherRecord, Wrapper, reads_own_text  # noqa: F401
 from tasks.specs.render import RowText
 
 Kind = Literal["checkpoint", "engine", "endpoint"]
 KINDS: tuple[Kind, ...] = ("checkpoint", "engine", "endpoint")
-Wrapper = Literal["plain", "aligned"]
-WRAPPERS: tuple[Wrapper, ...] = ("plain", "aligned")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def teacher_kind(record: TeacherRecord, backend: str) -> Kind:
     transport = getattr(record, "transport", "auto")
     if transport != "auto":
         return transport
-    if backend == "hf" or getattr(record, "wrapper", "plain") == "aligned":
+    if backend == "hf" or reads_own_text(record):
         return "checkpoint"
     return "endpoint" if record.endpoint else "engine"
 

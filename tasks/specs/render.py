@@ -17,7 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.problems import Problem
-from tasks.specs.spec import RouteSpec
+from tasks.specs.spec import CONTEXT_TEMPLATE, RouteSpec, check_context_template
 
 
 class RenderError(ValueError):
@@ -58,6 +58,21 @@ class RowText:
     def chat(self) -> list[dict[str, str]] | None:
         """:attr:`messages` as ``apply_chat_template`` takes them (a list of role/content dicts)."""
         return None if self.messages is None else [dict(m) for m in self.messages]
+
+    def with_context(self, template: str = "") -> "RowText":
+        """This row as a teacher with privileged context reads it: the user's turn (a format route: the prompt text)
+        rewritten as ``template`` over ``{context}`` (this row's :attr:`context`) and ``{prompt}`` (the turn itself;
+        default :data:`CONTEXT_TEMPLATE`). The student never reads this text. A row without context: ValueError."""
+        if not self.context.strip():
+            raise ValueError(f"route {self.route!r}: a row has no context for a teacher that reads it (prompt "
+                             f"{self.prompt[:60]!r}); give the route data.context_column or data.context_function")
+        fill = check_context_template(template or CONTEXT_TEMPLATE).format
+        if self.messages is None:
+            return RowText(self.route, fill(context=self.context, prompt=self.prompt), None, self.context)
+        chat = self.chat
+        last = max(i for i, m in enumerate(chat) if m.get("role") == "user")
+        chat[last] = {**chat[last], "content": fill(context=self.context, prompt=chat[last]["content"])}
+        return RowText.of(self.route, self.prompt, chat, self.context)
 
     def render(self, tok: PreTrainedTokenizerBase) -> str:
         """This row's prompt in ``tok``'s own terms: its chat template over :attr:`messages` (with the generation

@@ -73,6 +73,23 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# How a teacher with privileged context (a registry record's ``wrapper: context``) sees a row's user turn by default.
+CONTEXT_TEMPLATE = "{prompt}\n\nA worked solution, for reference:\n{context}"
+
+
+def check_context_template(template: str) -> str:
+    """``template`` if it is a ``str.format`` string over exactly ``{context}`` and ``{prompt}`` (both present),
+    else ValueError saying what it holds."""
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"context template {template!r} is not a format string: {e}") from None
+    if names != {"context", "prompt"}:
+        raise ValueError(f"context template {template!r} names {sorted(names)}; expected exactly {{context}} and "
+                         "{prompt}")
+    return template
+
+
 class DataSpec(_Spec):
     """Where a route's prompts come from and how its held-out split is drawn."""
 
@@ -98,6 +115,9 @@ class DataSpec(_Spec):
                                      "called as fn(row) -> str (row: the source's columns; a generator's metadata "
                                      "as a dict), e.g. a worked solution built from a generator's metadata; used "
                                      "where completion_column is not set.")
+    context_function: str = Field("", description="'module:function' writing a row's privileged context (what a "
+                                  "teacher of wrapper context reads and the student never sees), called as "
+                                  "fn(row) -> str like completion_function; used where context_column is not set.")
 
     @model_validator(mode="after")
     def _generator(self) -> "DataSpec":
@@ -105,6 +125,8 @@ class DataSpec(_Spec):
             raise ValueError("generator settings apply to format reasoning_gym only")
         if self.completion_function and self.completion_column:
             raise ValueError("give completion_column or completion_function, not both")
+        if self.context_function and self.context_column:
+            raise ValueError("give context_column or context_function, not both")
         return self
 
 
@@ -564,19 +586,24 @@ def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
     def text(row: dict, col: str | None) -> str:
         return "" if not col or row[col] is None else str(row[col])
 
-    write_completion = None
-    if data.completion_function:
+    def column_or_function(column: str | None, function: str, key: str):
+        """A row -> text reader: ``function`` ('module:function' called on the row, a generator's metadata as a
+        dict) where the spec names one, else the ``column``."""
+        if not function:
+            return lambda row: text(row, column)
         try:
-            write_completion = verifiers.import_function(data.completion_function, spec.folder)
+            write = verifiers.import_function(function, spec.folder)
         except verifiers.VerifierError as e:
-            raise InputError([Problem(file, f"{base}.completion_function", str(e))], f"route spec {file}") from None
+            raise InputError([Problem(file, f"{base}.{key}", str(e))], f"route spec {file}") from None
 
-    def completion(row: dict) -> str:
-        if write_completion is None:
-            return text(row, data.completion_column)
-        if isinstance(row.get("metadata"), str):
-            row = {**row, "metadata": json.loads(row["metadata"])}
-        return str(write_completion(row))
+        def call(row: dict) -> str:
+            if isinstance(row.get("metadata"), str):
+                row = {**row, "metadata": json.loads(row["metadata"])}
+            return str(write(row))
+        return call
+
+    completion = column_or_function(data.completion_column, data.completion_function, "completion_function")
+    context = column_or_function(data.context_column, data.context_function, "context_function")
 
     rows, problems, seen, conflicts = [], [], {}, set()
     for i, row in enumerate(ds):
@@ -596,7 +623,7 @@ def load_route_rows(route: RouteSpec, spec: RouteSpecFile):
             continue
         seen[key] = split
         rows.append({"prompt": prompt, "answer": text(row, data.answer_column), "system": key[1],
-                     "context": text(row, data.context_column), "completion": completion(row),
+                     "context": context(row), "completion": completion(row),
                      "__split__": split})
     if problems:
         raise InputError(problems[:20], f"route spec {file}")
