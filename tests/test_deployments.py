@@ -107,8 +107,11 @@ def test_run_form_schema_has_descriptions_defaults_and_dropdowns(loaded):
     assert opd["steps"]["default"] == 800 and opd["steps"]["minimum"] == 1 and opd["steps"]["description"]
     assert all(p.get("description") for p in opd.values()), [k for k, p in opd.items() if not p.get("description")]
     reg = next(f for (e, _), f in loaded.items() if e.endswith(":register_teacher"))
-    assert set(parameter_schema(reg).model_dump()["definitions"]["RegisterConfig"]["required"]) == {
-        "name", "route", "model_uri"}
+    form = parameter_schema(reg).model_dump()["definitions"]["RegisterConfig"]
+    assert set(form["required"]) == {"name", "route", "model_uri"}
+    # The teacher kinds a user registers from the UI: a dropdown, and the context teacher's template with its help.
+    assert form["properties"]["wrapper"]["enum"] == ["plain", "aligned", "context"]
+    assert "{context}" in form["properties"]["context_template"]["description"]
 
 
 def test_nightly_comparison_has_a_paused_cron_schedule(doc):
