@@ -20,7 +20,7 @@ from tasks.common.paths import world_dir
 from tasks.tracking.runs import publish_teacher, teacher_model_name
 from tasks.specs.render import route_messages
 from tasks.specs.spec import check_route_name
-from teachers.registry import WRAPPERS, Provenance, TeacherRecord, TeacherRegistry, Wrapper  # noqa: F401
+from teachers.registry import Provenance, TeacherRecord, TeacherRegistry, Wrapper
 
 
 class RegisterConfig(_Config):

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tasks.common.paths import registry_path
 from tasks.common.problems import UserError
 from tasks.specs.spec import check_context_template, check_route_name
-from tasks.modeling.routing import WRAPPERS, Wrapper, reads_own_text
+from tasks.modeling.routing import OWN_TEXT_WRAPPERS, WRAPPERS, Wrapper, reads_own_text
 from tasks.modeling.routing import registry_fingerprint  # noqa: F401  (re-exported: the registry's fingerprint)
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class TeacherRecord(BaseModel):
     )
     context_template: str = Field(
         "", description="wrapper context: how the row's context joins its user turn, a format string over "
-        "{context} and {prompt}; empty = the default (tasks/specs/render.py: CONTEXT_TEMPLATE)"
+        "{context} and {prompt}; empty = the default (tasks/specs/spec.py: CONTEXT_TEMPLATE)"
     )
     base_model: str = Field(
         "", description="for a LoRA adapter folder (peft's format) as model_uri: the base it applies to, a local "
@@ -362,7 +362,7 @@ class TeacherRegistry:
                 ) from e
         if wrapper not in WRAPPERS:
             problems.append(f"wrapper {wrapper!r} is not one of {list(WRAPPERS)}")
-        elif teacher_tok is not None and wrapper in ("aligned", "context"):  # it renders and reads its own text
+        elif teacher_tok is not None and wrapper in OWN_TEXT_WRAPPERS:
             problems += aligned_problems(teacher_tok, messages)
         elif teacher_tok is not None:
             same = compatibility_problems(ref_tok, teacher_tok, messages)

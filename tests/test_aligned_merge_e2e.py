@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from tasks.common.paths import PROJECT_ROOT

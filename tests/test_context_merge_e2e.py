@@ -11,7 +11,6 @@ and its evaluation (the teacher's accuracy is with its context), the signal logg
 import json
 
 import pytest
-import torch
 import yaml
 
 from tasks.common.paths import PROJECT_ROOT

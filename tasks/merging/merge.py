@@ -349,10 +349,10 @@ class MergeLoop:
                                  for r, d in self.ps.rows("eval").items()} if opd.recovery_prompts else {}
         self.engine, self.servers = self._vllm_engines(cfg, records, gold)
         # What the merge calls: each teacher's score / sample / model (tasks/modeling/teacher.py), whatever its kind;
-        # an aligned teacher (another tokenizer) wraps its checkpoint to read the student's text its own way.
-        aligned = {name: own_text_teacher(rec, self.pool, self.tok, self.eos)
-                   for name, rec in records.items() if reads_own_text(rec)}
-        self.teachers = make_teachers(self.kinds, self.teacher_models, self.servers, len(self.tok), aligned)
+        # an aligned or context teacher wraps its checkpoint to read the student's text its own way.
+        own_text = {name: own_text_teacher(rec, self.pool, self.tok, self.eos)
+                    for name, rec in records.items() if reads_own_text(rec)}
+        self.teachers = make_teachers(self.kinds, self.teacher_models, self.servers, len(self.tok), own_text)
         self.digit_ids = digit_ids(self.tok)
         # A route with several teachers takes each prompt's off-policy sample from one of them, by its weight.
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,

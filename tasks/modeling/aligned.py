@@ -112,19 +112,22 @@ class AlignedTeacher:
         self.same_vocab = teacher_tok.get_vocab() == student_tok.get_vocab()
         self.sorted = SortedVocab.of(self.teacher_bytes)
         self.stop = stop_id(teacher_tok)
-        # Several teacher ids of one text: the student's token maps onto the one the teacher writes, with the others'
-        # mass folded into it (a byte-fallback <0x38> beside the piece 8 would otherwise hold the digit's place).
-        groups = same_bytes(self.teacher_bytes)
-        canonical = canonical_ids(teacher_tok, groups)
-        self.folds = fold_rounds({b: (canonical[b], [i for i in ids if i != canonical[b]]) for b, ids in groups.items()})
-        mapping = vocab_map(self.student_bytes, self.teacher_bytes, canonical)
-        for i in self.student_eos:
-            if 0 <= i < len(mapping):
-                mapping[i] = self.stop if i == self.student_eos[0] else -1
         if self.same_vocab:  # one vocabulary: every id is itself, specials included, and no mass is folded
             self.folds, mapping = [], list(range(len(student_tok)))
-            if self.student_eos and self.stop != self.student_eos[0]:
+            if self.student_eos and 0 <= self.student_eos[0] < len(mapping):
                 mapping[self.student_eos[0]] = self.stop
+        else:
+            # Several teacher ids of one text: the student's token maps onto the one the teacher writes, with the
+            # others' mass folded into it (a byte-fallback <0x38> beside the piece 8 would otherwise hold the digit's
+            # place).
+            groups = same_bytes(self.teacher_bytes)
+            canonical = canonical_ids(teacher_tok, groups)
+            self.folds = fold_rounds({b: (canonical[b], [i for i in ids if i != canonical[b]])
+                                      for b, ids in groups.items()})
+            mapping = vocab_map(self.student_bytes, self.teacher_bytes, canonical)
+            for i in self.student_eos:
+                if 0 <= i < len(mapping):
+                    mapping[i] = self.stop if i == self.student_eos[0] else -1
         self.student_map = torch.tensor(mapping, dtype=torch.long)
         self._perm = torch.tensor(self.sorted.ids, dtype=torch.long)
 

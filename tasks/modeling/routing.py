@@ -12,6 +12,7 @@ from typing import Literal, Protocol
 # What a teacher reads (a registry record's ``wrapper``; tasks/modeling/teacher.py says what each does).
 Wrapper = Literal["plain", "aligned", "context"]
 WRAPPERS: tuple[Wrapper, ...] = ("plain", "aligned", "context")
+OWN_TEXT_WRAPPERS: tuple[Wrapper, ...] = ("aligned", "context")  # those that render and read their own text
 
 
 class TeacherRecord(Protocol):
@@ -51,7 +52,7 @@ class Routing(Protocol):
 def reads_own_text(record: TeacherRecord) -> bool:
     """Whether a registered teacher renders each row its own way and reads the student's response as text (an
     ``aligned`` or a ``context`` wrapper), rather than scoring the student's exact sequence."""
-    return getattr(record, "wrapper", "plain") in ("aligned", "context")
+    return getattr(record, "wrapper", "plain") in OWN_TEXT_WRAPPERS
 
 
 def combining_refusal(router: Routing, routes: Iterable[str], teacher_backend: str) -> str:

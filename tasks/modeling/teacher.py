@@ -18,7 +18,7 @@ merge's ``opd.teacher_backend``):
   :class:`tasks.modeling.engines.ServedHead`.
 
 A teacher's kind is two things, both stored in its registry record: its *transport* (``checkpoint``, ``engine``,
-``endpoint``: how its numbers are computed) and its *wrapper* (:data:`WRAPPERS`): ``plain`` reads the student's
+``endpoint``: how its numbers are computed) and its *wrapper* (:data:`tasks.modeling.routing.WRAPPERS`): ``plain`` reads the student's
 tokens as they are; ``aligned`` (:class:`tasks.modeling.aligned.AlignedTeacher`) is a model of another tokenizer that
 renders each row through its own chat template from the row's :class:`tasks.specs.render.RowText` and gives a signal
 on the student's tokens with a mask of the positions it could read; ``context``
@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.modeling.engines import ALL_VOCAB, ServedHead, TeacherServer, pack_prompt_logprobs, real_tokens
 from tasks.modeling.rollout import Rollout, cap_responses, eos_ids, forward_hidden, generate
-from tasks.modeling.routing import WRAPPERS, TeacherRecord, Wrapper, reads_own_text  # noqa: F401
+from tasks.modeling.routing import TeacherRecord, reads_own_text
 from tasks.specs.render import RowText
 
 Kind = Literal["checkpoint", "engine", "endpoint"]

@@ -30,6 +30,7 @@ Python path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import string
@@ -77,6 +78,7 @@ class _Spec(BaseModel):
 CONTEXT_TEMPLATE = "{prompt}\n\nA worked solution, for reference:\n{context}"
 
 
+@functools.cache  # a teacher renders every row it scores with the same template: parsed once
 def check_context_template(template: str) -> str:
     """``template`` if it is a ``str.format`` string over exactly ``{context}`` and ``{prompt}`` (both present),
     else ValueError saying what it holds."""
