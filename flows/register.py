@@ -42,6 +42,10 @@ class RegisterConfig(_Config):
     mlflow: bool = Field(True, description="Also register it in the MLflow model registry (model teacher-ROUTE).")
     wrapper: Wrapper = Field("plain", description=TeacherRecord.model_fields["wrapper"].description + ".")
     context_template: str = Field("", description=TeacherRecord.model_fields["context_template"].description + ".")
+    guide_fraction: float = Field(0.0, ge=0, le=1, description=TeacherRecord.model_fields["guide_fraction"].description
+                                  + " (0 = 0.5 for a guided teacher).")
+    guide_steps: int = Field(0, ge=0, le=1_000_000, description=TeacherRecord.model_fields["guide_steps"].description
+                             + " (0 = 100 for a guided teacher).")
 
     @field_validator("route")
     @classmethod
@@ -66,7 +70,7 @@ def register_teacher(cfg: RegisterConfig) -> dict:
         cfg.name, cfg.route, cfg.model_uri, cfg.student_tokenizer or str(world_dir() / "tokenizer"),
         eval_score=cfg.eval_score, provenance=Provenance(source="register-teacher"), replace=cfg.replace,
         trust_remote_code=cfg.trust_remote_code, endpoint=cfg.endpoint, wrapper=cfg.wrapper,
-        context_template=cfg.context_template,
+        context_template=cfg.context_template, guide_fraction=cfg.guide_fraction, guide_steps=cfg.guide_steps,
         messages=route_messages(cfg.spec, cfg.route) if cfg.spec else None, base_model=cfg.base_model,
     )
     out = {"name": record.name, "route": record.route, "model_uri": record.model_uri}

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--wrapper", choices=list(WRAPPERS), default="plain",
                      help=TeacherRecord.model_fields["wrapper"].description)
     reg.add_argument("--context_template", default="", help=TeacherRecord.model_fields["context_template"].description)
+    reg.add_argument("--guide_fraction", type=float, default=0.0,
+                     help=TeacherRecord.model_fields["guide_fraction"].description + " (0 = 0.5 for a guided teacher)")
+    reg.add_argument("--guide_steps", type=int, default=0,
+                     help=TeacherRecord.model_fields["guide_steps"].description + " (0 = 100 for a guided teacher)")
     reg.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
     reg.add_argument("--endpoint", default="", help="vLLM OpenAI-compatible server serving this checkpoint "
                      "(http://host:port); its log-probs are checked against the checkpoint before registering")
@@ -119,6 +123,8 @@ def run(args: argparse.Namespace) -> None:
             parity_tol=args.parity_tol,
             wrapper=args.wrapper,
             context_template=args.context_template,
+            guide_fraction=args.guide_fraction,
+            guide_steps=args.guide_steps,
             messages=_route_messages(args),
             base_model=args.base_model,
         )

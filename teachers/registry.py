@@ -116,11 +116,20 @@ class TeacherRecord(BaseModel):
         "plain", description="plain: scores the student's tokens as they are (same tokenizer); aligned: a model of "
         "another tokenizer and chat template, which renders each row its own way and is aligned to the student's "
         "tokens by their bytes; context: privileged context, a teacher that reads each row with the row's context "
-        "column (a worked solution, a hint) in its prompt, which the student never sees"
+        "column (a worked solution, a hint) in its prompt, which the student never sees; guided: scores as plain, and its "
+        "route's on-policy rollouts start from a prefix of its own solution, withdrawn over guide_steps (guided OPD)"
     )
     context_template: str = Field(
         "", description="wrapper context: how the row's context joins its user turn, a format string over "
         "{context} and {prompt}; empty = the default (tasks/specs/spec.py: CONTEXT_TEMPLATE)"
+    )
+    guide_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="wrapper guided: share of its own sample of a prompt (tokens before its end) "
+        "that its route's on-policy rollouts start from at the first on-policy step; 0 for other wrappers"
+    )
+    guide_steps: int = Field(
+        0, ge=0, le=1_000_000, description="wrapper guided: on-policy steps over which the prefix is withdrawn "
+        "linearly to none, after which the student generates alone; 0 for other wrappers"
     )
     base_model: str = Field(
         "", description="for a LoRA adapter folder (peft's format) as model_uri: the base it applies to, a local "
@@ -153,7 +162,19 @@ class TeacherRecord(BaseModel):
             raise ValueError(f"context_template is for a context teacher (wrapper context), not {self.wrapper!r}")
         if self.context_template:
             check_context_template(self.context_template)
+        guided = self.wrapper == "guided"
+        if guided and not (self.guide_fraction > 0 and self.guide_steps >= 1):
+            raise ValueError(f"a guided teacher needs guide_fraction > 0 and guide_steps >= 1, got "
+                             f"{self.guide_fraction} and {self.guide_steps}")
+        if not guided and (self.guide_fraction or self.guide_steps):
+            raise ValueError(f"guide_fraction and guide_steps are for a guided teacher (wrapper guided), not "
+                             f"{self.wrapper!r}")
         return self
+
+
+# A guided teacher registered without guide_fraction / guide_steps: half its solution at first, withdrawn over 100
+# on-policy steps.
+GUIDE_DEFAULTS = (0.5, 100)
 
 
 def check_endpoint(url: str) -> str:
@@ -303,6 +324,8 @@ class TeacherRegistry:
         messages: list[dict[str, str]] | None = None,
         base_model: str = "",
         context_template: str = "",
+        guide_fraction: float = 0.0,
+        guide_steps: int = 0,
     ) -> TeacherRecord:
         """Check that any HF checkpoint can teach the student, then add it; nothing is written unless it can.
 
@@ -314,7 +337,8 @@ class TeacherRegistry:
         student's does, or, for an ``aligned`` teacher (``wrapper``: another tokenizer and template, read through
         :mod:`tasks.modeling.alignment`), it must have a chat template at all. An aligned teacher needs a fast
         tokenizer and none of the same-tokenizer checks; so does a ``context`` teacher (privileged context: it reads
-        each row with the row's context column written in by ``context_template``, whatever its tokenizer). A plain teacher's stop tokens (its EOS and its generation
+        each row with the row's context column written in by ``context_template``, whatever its tokenizer). A ``guided`` teacher is checked as a plain one and
+        keeps ``guide_fraction`` / ``guide_steps`` (0: :data:`GUIDE_DEFAULTS`). A plain teacher's stop tokens (its EOS and its generation
         config's) must be tokens the student can produce, as the merge's preflight checks. A LoRA adapter folder
         loads onto ``base_model`` where given (else the base its adapter_config.json names), which is recorded with
         its weights' fingerprint; a named base that disagrees with the adapter's own (both local, other weights) is
@@ -399,6 +423,8 @@ class TeacherRegistry:
                 endpoint=endpoint,
                 wrapper=wrapper,
                 context_template=context_template,
+                guide_fraction=guide_fraction or (GUIDE_DEFAULTS[0] if wrapper == "guided" else 0.0),
+                guide_steps=guide_steps or (GUIDE_DEFAULTS[1] if wrapper == "guided" else 0),
                 base_model=base or "",
                 base_fingerprint=base_fp,
             )

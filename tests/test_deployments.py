@@ -110,7 +110,9 @@ def test_run_form_schema_has_descriptions_defaults_and_dropdowns(loaded):
     form = parameter_schema(reg).model_dump()["definitions"]["RegisterConfig"]
     assert set(form["required"]) == {"name", "route", "model_uri"}
     # The teacher kinds a user registers from the UI: a dropdown, and the context teacher's template with its help.
-    assert form["properties"]["wrapper"]["enum"] == ["plain", "aligned", "context"]
+    assert form["properties"]["wrapper"]["enum"] == ["plain", "aligned", "context", "guided"]
+    assert "withdrawn" in form["properties"]["guide_steps"]["description"]
+    assert form["properties"]["guide_fraction"]["maximum"] == 1
     assert "{context}" in form["properties"]["context_template"]["description"]
 
 

@@ -37,6 +37,7 @@ from tasks.modeling.engines import (
     route_sequences,
     served_plan,
 )
+from tasks.training.guided import GuidedPrefixes, GuideSchedule
 from tasks.training.distill import (
     BatchProducer,
     OffPolicyData,
@@ -326,6 +327,14 @@ class MergeLoop:
             raise ValueError(f"route(s) {mixed} combine several teachers, one of them reading its own text (an "
                              "aligned or context wrapper): combining needs every teacher's distribution on the "
                              "student's exact sequence; expected one teacher on such a route")
+        # Guided OPD: a route whose teacher is a guided one starts its on-policy rollouts from a prefix of that
+        # teacher's own solution, withdrawn over its schedule (tasks/training/guided.py).
+        self.guides = {r: GuideSchedule(rec.guide_fraction, rec.guide_steps) for r in self.routes
+                       if getattr(rec := router.teacher_for(r), "wrapper", "plain") == "guided"}
+        if self.guides and opd.rollout_backend != "hf":
+            raise ValueError(f"route(s) {sorted(self.guides)} have a guided teacher, whose prefixes the student "
+                             f"continues on the transformers backend; expected opd.rollout_backend hf, not "
+                             f"{opd.rollout_backend!r}")
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         # opd.route_normalization: each route's group (itself, or its value of a spec label; unlabelled: itself).
         key = opd.route_normalization.removeprefix("label:")
@@ -545,16 +554,21 @@ class MergeLoop:
             return  # finished before the checkpoint this merge resumed from
         optimizer, scheduler = make_optimizer(self.student, lr, 0.0, min(opd.warmup_steps, steps // 2), steps)
         needs_logprobs = lmbda > 0 and (opd.reward_weight > 0 or any(o.policy_gradient for o in objectives.values()))
+        start = self.resume_at[1] if self.resume_at is not None else 0  # where a resumed stage goes on
+        # The on-policy stage's guided routes: the schedule's clock is the stage's step (the student's version less
+        # the steps it had taken when the stage began).
+        guide = (GuidedPrefixes(self.guides, self.offpolicy.teacher_samples, self.eos, self.state.version - start)
+                 if self.guides and name == "on_policy" else None)
         producer = BatchProducer(self.student, self.tok, self.sampler, self.offpolicy, self.caps, opd.batch_size,
                                  opd.sample_temperature, opd.divergence_temperature, needs_logprobs,
                                  opd.overlap_generation, self.engine, seed=opd.seed * 1009 + no,
-                                 verifiers=self.verifiers, row_texts=self.row_texts, sampling=self.sampling)
+                                 verifiers=self.verifiers, row_texts=self.row_texts, sampling=self.sampling,
+                                 guide=guide)
         # How much of each teacher's distribution is asked for; a capped served teacher's routes learn its top K.
         objectives, served_k = served_plan(objectives, self.teacher_of, self.logprob_caps, list(self.teachers))
         stage_id = {"cold_start": 1, "on_policy": 2}[name]
-        start = 0
         if self.resume_at is not None:  # the stage the checkpoint was taken in
-            start, self.resume_at = self.resume_at[1], None
+            self.resume_at = None
             self._resume_trainer(optimizer, scheduler, producer)
         bar = tqdm(range(start, steps), desc=f"merge {name}", mininterval=2.0, disable=not self.lead, initial=start,
                    total=steps)
@@ -619,6 +633,10 @@ class MergeLoop:
                     # teachers' samples (off-policy batches; each prompt's completion is sampled once and cached).
                     key = "student_tokens" if batch.on_policy else "teacher_sampled_tokens"
                     self.state.generated[key] += batch.generated_tokens
+                    if guide is not None:  # guided OPD: the teachers' samples its prefixes came from, and its share
+                        self.state.generated["teacher_sampled_tokens"] += batch.teacher_tokens
+                        m["rollout/guided_tokens"] = float(batch.guided_tokens)
+                        m.update({f"guide_fraction/{r}": v for r, v in guide.fractions(batch.version).items()})
                     m.update({f"rollout/{k}": float(v) for k, v in self.state.generated.items()})
                     if opd.overlap_generation or self.engine is not None:
                         m["time/sync"] = producer.sync_seconds

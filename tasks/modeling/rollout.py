@@ -226,7 +226,7 @@ def cut_at_stops(rollout: Rollout, tok: PreTrainedTokenizerBase, stops_B: Sequen
         if end is not None:
             resp_B_R[b, end:] = 0
             stopped_B[b] = True
-    out = _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos)
+    out = _keep_external(_assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos), rollout)
     out.truncated_B &= ~stopped_B
     return out
 
@@ -275,6 +275,7 @@ def generate(
     generator: torch.Generator | None = None,
     top_p: float | Sequence[float] = 1.0,
     stop: Sequence[Sequence[str]] | None = None,
+    prefixes: Sequence[Sequence[int]] | None = None,
 ) -> Rollout:
     """Sample or decode greedily one completion per prompt, stopping at any of :func:`eos_ids` and never emitting an
     id of a padded head past ``len(tok)`` (:class:`RealVocabulary`). ``temperature`` and ``top_p`` are one value or
@@ -282,10 +283,21 @@ def generate(
     ``stop``: each prompt's stop strings, which end its response as EOS does (:func:`cut_at_stops`). Samples draw
     from torch's global generator, or from ``generator`` when given (:class:`RowSampler`): code sampling in threads
     side by side passes its own to stay reproducible. The model runs on its own device, under its compute dtype's
-    autocast (:func:`tasks.modeling.device.autocast_for`); the rollout comes back on the CPU."""
+    autocast (:func:`tasks.modeling.device.autocast_for`); the rollout comes back on the CPU.
+
+    ``prefixes``: per prompt, token ids the response starts with, written by someone else (guided OPD: the start of
+    a teacher's own solution; empty: none). The model continues after them; they stand at the head of the response
+    as ``external`` tokens (out of :attr:`Rollout.loss_tokens_B_T`), and ``max_new_tokens`` counts the continuation
+    alone."""
     was_training = model.training
     model.eval()
-    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    if prefixes is not None and any(prefixes):
+        ids = tok(prompts, add_special_tokens=False)["input_ids"]
+        enc = tok.pad({"input_ids": [p + list(x) for p, x in zip(ids, prefixes)]}, padding_side="left",
+                      return_tensors="pt")
+    else:
+        prefixes = None
+        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     processors = LogitsProcessorList([RealVocabulary(len(tok))])  # before the sampler: its noise keeps -inf banned
     uniform = isinstance(temperature, (int, float)) and isinstance(top_p, (int, float)) and top_p == 1.0
     if greedy:
@@ -314,7 +326,23 @@ def generate(
         ).cpu()
     model.train(was_training)
     rollout = _assemble(out_B_T, enc.attention_mask, response_mask(out_B_T[:, P:], eos), eos)
-    return cut_at_stops(rollout, tok, stops_B, eos) if any(stops_B) else rollout
+    rollout = cut_at_stops(rollout, tok, stops_B, eos) if any(stops_B) else rollout
+    return rollout if prefixes is None else with_prefixes(rollout, tok, prompts, prefixes, eos)
+
+
+def with_prefixes(rollout: Rollout, tok: PreTrainedTokenizerBase, prompts: list[str],
+                  prefixes: Sequence[Sequence[int]], eos: Stop) -> Rollout:
+    """``rollout`` generated after ``prompts`` + ``prefixes`` (in its prompt block), laid out again with each prefix at
+    the head of its response: left-padded prompts, then prefix + continuation, the prefix tokens ``external`` (not in
+    :attr:`Rollout.loss_tokens_B_T`). Truncation flags are the continuation's."""
+    responses = [list(x) + r for x, r in zip(prefixes, response_ids(rollout))]
+    out = rollout_from_responses(tok, prompts, responses, eos)
+    out.truncated_B = rollout.truncated_B.clone()
+    P, R = out.prompt_width, out.sequences_B_T.shape[1] - out.prompt_width
+    external_B_R = torch.arange(R)[None, :] < torch.tensor([len(x) for x in prefixes])[:, None]
+    out.loss_tokens_B_T = out.response_mask_B_T.clone()
+    out.loss_tokens_B_T[:, P:][external_B_R] = 0
+    return out
 
 
 def _assemble(sequences_B_T: torch.Tensor, prompt_mask_B_P: torch.Tensor, resp_B_R: torch.Tensor, eos: Stop) -> Rollout:
@@ -331,6 +359,13 @@ def _assemble(sequences_B_T: torch.Tensor, prompt_mask_B_P: torch.Tensor, resp_B
     )
 
 
+def _keep_external(out: Rollout, before: Rollout) -> Rollout:
+    """``out`` (``before`` with a shorter response mask) keeping ``before``'s external tokens out of its loss."""
+    if before.loss_tokens_B_T is not None:
+        out.loss_tokens_B_T = before.loss_tokens_B_T * out.response_mask_B_T
+    return out
+
+
 def cap_responses(rollout: Rollout, caps_B: list[int], eos: Stop) -> Rollout:
     """Cut each row's response at its own cap (per-route ``max_new_tokens`` in one mixed batch generated to the
     largest cap): tokens past the cap leave both masks, and a row without EOS (any id of ``eos``, as the rollout was
@@ -341,7 +376,7 @@ def cap_responses(rollout: Rollout, caps_B: list[int], eos: Stop) -> Rollout:
     P = rollout.prompt_width
     keep_B_R = (torch.arange(R)[None, :] < torch.tensor(caps_B)[:, None]).long()
     resp_B_R = rollout.response_mask_B_T[:, P:] * keep_B_R
-    out = _assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos)
+    out = _keep_external(_assemble(rollout.sequences_B_T, rollout.attention_mask_B_T[:, :P], resp_B_R, eos), rollout)
     # A row that had ended inside its cap (at EOS, or at a stop string: :func:`cut_at_stops`) stays ended.
     out.truncated_B &= ~(~rollout.truncated_B & (rollout.response_lengths_B <= torch.tensor(caps_B)))
     return out

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from typing import Literal, Protocol
 
 # What a teacher reads (a registry record's ``wrapper``; tasks/modeling/teacher.py says what each does).
-Wrapper = Literal["plain", "aligned", "context"]
-WRAPPERS: tuple[Wrapper, ...] = ("plain", "aligned", "context")
+Wrapper = Literal["plain", "aligned", "context", "guided"]
+WRAPPERS: tuple[Wrapper, ...] = ("plain", "aligned", "context", "guided")
 OWN_TEXT_WRAPPERS: tuple[Wrapper, ...] = ("aligned", "context")  # those that render and read their own text
 
 
@@ -27,6 +27,8 @@ class TeacherRecord(Protocol):
     transport: str  # auto | checkpoint | engine | endpoint
     wrapper: str  # one of WRAPPERS
     context_template: str  # a context teacher's rendering of a row's context ('' the default)
+    guide_fraction: float  # a guided teacher: share of its own sample its route's rollouts start from (0 others)
+    guide_steps: int  # a guided teacher: on-policy steps over which that share is withdrawn to none (0 others)
 
 
 class Routing(Protocol):
@@ -69,5 +71,6 @@ def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
     """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags and the merge's key."""
     payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint]
                      + ([r.wrapper] if getattr(r, "wrapper", "plain") != "plain" else [])
-                     + ([r.context_template] if getattr(r, "context_template", "") else []) for r in records)
+                     + ([r.context_template] if getattr(r, "context_template", "") else [])
+                     + ([r.guide_fraction, r.guide_steps] if getattr(r, "guide_steps", 0) else []) for r in records)
     return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]

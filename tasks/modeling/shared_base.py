@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tasks.common.adapters import base_of, saved_adapter
-from tasks.modeling.routing import TeacherRecord
+from tasks.modeling.routing import TeacherRecord, reads_own_text
 
 
 def adapter_of(rec: TeacherRecord) -> tuple[str, str] | None:
@@ -40,11 +40,12 @@ def adapter_of(rec: TeacherRecord) -> tuple[str, str] | None:
 
 
 def sharing_groups(records: Mapping[str, TeacherRecord]) -> dict[str, dict[str, str]]:
-    """``{base: {teacher name: adapter folder}}`` for the plain teachers of ``records`` that are adapters of one
-    base shared with at least one other teacher (a base with one adapter gains nothing: it stays a merged model)."""
+    """``{base: {teacher name: adapter folder}}`` for the teachers of ``records`` that score the student's exact tokens
+    (plain or guided) and are adapters of one base shared with at least one other teacher (a base with one adapter
+    gains nothing: it stays a merged model)."""
     groups: dict[str, dict[str, str]] = {}
     for name, rec in records.items():
-        if getattr(rec, "wrapper", "plain") != "plain" or (found := adapter_of(rec)) is None:
+        if reads_own_text(rec) or (found := adapter_of(rec)) is None:
             continue
         folder, base = found
         groups.setdefault(base, {})[name] = folder

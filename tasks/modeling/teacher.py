@@ -23,7 +23,9 @@ tokens as they are; ``aligned`` (:class:`tasks.modeling.aligned.AlignedTeacher`)
 renders each row through its own chat template from the row's :class:`tasks.specs.render.RowText` and gives a signal
 on the student's tokens with a mask of the positions it could read; ``context``
 (:class:`tasks.modeling.aligned.ContextTeacher`) reads the same way with the row's privileged ``context`` column
-written into its prompt, which the student never sees. Combined and extrapolated teachers wrap scores
+written into its prompt, which the student never sees; ``guided`` scores as ``plain`` does, and its route's on-policy
+rollouts start from a prefix of its own solution that the student continues (guided OPD: the batch source
+:class:`tasks.training.guided.GuidedPrefixes`, its schedule in the record). Combined and extrapolated teachers wrap scores
 per route (the spec's ``combine``, ``opd.reward_scale``).
 
 Writing a teacher: implement :class:`Teacher`'s ``score`` (log-prob logits over the student's vocabulary at each

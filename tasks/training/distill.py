@@ -39,6 +39,7 @@ from tasks.modeling.rollout import (
 from tasks.evaluation.evaluate import right
 from tasks.modeling.teacher import Teacher, TeacherBatch, TeacherScore
 from tasks.specs.render import RowText
+from tasks.training.guided import GuidedPrefixes
 from tasks.specs.spec import Sampling
 from tasks.specs.verifiers import Verifier
 
@@ -61,6 +62,8 @@ class Batch:
     generated: int = 0  # sequences generated for this batch (teacher-sample cache misses count too)
     generated_tokens: int = 0  # response tokens those sequences hold (what their generation cost)
     texts: list[RowText] = field(default_factory=list)  # per row: what its route rendered (teachers read it)
+    teacher_tokens: int = 0  # tokens teachers sampled for an on-policy batch (guided OPD's prefixes, cache misses)
+    guided_tokens: int = 0  # response tokens written by a teacher ahead of the student's (guided OPD; no loss)
 
 
 @dataclass
@@ -117,6 +120,7 @@ def sample_batch(
     *,
     verifiers: Mapping[str, Verifier],
     sampling: Mapping[str, Sampling] | None = None,
+    prefixes: Sequence[Sequence[int]] | None = None,
 ) -> Batch:
     """On-policy rollouts of ``model``, each row cut at its route's cap, by transformers (drawing from ``generator``
     when given, else torch's global one) or by the vLLM ``engine`` holding ``model``'s weights. Each row samples as
@@ -125,7 +129,13 @@ def sample_batch(
     sampling temperature) and the old policy's log-probs (divergence temperature) of the sampled tokens are recorded
     for the importance ratio and the per-token advantage; the engine's own log-probs serve as the behaviour
     log-probs. Responses end at any of :func:`tasks.modeling.rollout.eos_ids` or at a stop string; log-probs are over
-    the tokenizer's ``len(tok)`` ids."""
+    the tokenizer's ``len(tok)`` ids. ``prefixes``: per row, tokens the response starts with that the student
+    continues (guided OPD, :mod:`tasks.training.guided`; transformers backend only): ``external``, out of the loss,
+    inside the row's cap."""
+    guided = prefixes is not None and any(prefixes)
+    if guided and engine is not None:
+        raise ValueError("guided rollouts (a teacher's prefix the student continues) run on the transformers rollout "
+                         "backend; expected opd.rollout_backend hf for a merge with a guided teacher")
     rows = [(sampling or {}).get(r, Sampling(sample_temperature)) for r in routes]
     temps_B, top_p_B, stops_B = [x.temperature for x in rows], [x.top_p for x in rows], [x.stop for x in rows]
     uniform = len(set(temps_B)) == 1 and set(top_p_B) == {1.0}
@@ -142,8 +152,10 @@ def sample_batch(
                 (logq_old_B_T,) = token_logprobs(model, rollout, (divergence_temperature,), vocab_size=len(tok))
             tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_beh_B_T, logq_old_B_T)
     else:
-        rollout = generate(model, tok, prompts, max(caps_B), greedy=False, temperature=temperature,
-                           generator=generator, top_p=top_p_B if not uniform else 1.0, stop=stops_B)
+        new = max(c - len(x) for c, x in zip(caps_B, prefixes)) if guided else max(caps_B)
+        rollout = generate(model, tok, prompts, new, greedy=False, temperature=temperature,
+                           generator=generator, top_p=top_p_B if not uniform else 1.0, stop=stops_B,
+                           prefixes=prefixes if guided else None)
         rollout = cap_responses(rollout, caps_B, eos)
     if with_logprobs and tokens is None:
         temps = tuple(dict.fromkeys([*temps_B, divergence_temperature]))
@@ -151,8 +163,9 @@ def sample_batch(
         logq_beh_B_T = torch.stack([lp[t][b] for b, t in enumerate(temps_B)])
         tokens = TokenInputs(rollout.sequences_B_T[:, 1:], logq_beh_B_T, lp[divergence_temperature])
     rewards_B = verifier_rewards(tok, rollout, routes, answers, verifiers, stops_B)
-    return Batch(rollout, routes, answers, True, version, rewards_B, tokens, len(prompts),
-                 int(rollout.response_lengths_B.sum()))
+    own = rollout.response_mask_B_T if rollout.loss_tokens_B_T is None else rollout.loss_tokens_B_T
+    return Batch(rollout, routes, answers, True, version, rewards_B, tokens, len(prompts), int(own.sum()),
+                 guided_tokens=int(rollout.response_lengths_B.sum() - own.sum()))
 
 
 def check_sampling(sampling: Mapping[str, Sampling], with_logprobs: bool, engine: bool) -> None:
@@ -223,11 +236,17 @@ class OffPolicyData:
             ids = self.tok([self.gold[p] for p in prompts], add_special_tokens=False)["input_ids"]
             responses = [x + [self.tok.eos_token_id] for x in ids]
         else:
-            generated, generated_tokens = self._fill(texts, caps_B, generator)
-            responses = [self.cache[self.teacher(p, r)][p] for p, r in zip(prompts, routes)]
+            responses, generated, generated_tokens = self.teacher_samples(texts, caps_B, generator)
         rollout = cap_responses(rollout_from_responses(self.tok, prompts, responses, self.eos), caps_B, self.eos)
         rewards_B = verifier_rewards(self.tok, rollout, routes, answers, self.verifiers)
         return Batch(rollout, routes, answers, False, -1, rewards_B, None, generated, generated_tokens, list(texts))
+
+    def teacher_samples(self, texts: list[RowText], caps_B: list[int],
+                        generator: torch.Generator | None = None) -> tuple[list[list[int]], int, int]:
+        """Each row's routed teacher's own sample (student token ids; drawn once per prompt and cached), and how many
+        were drawn now and their response tokens (what this call's teacher generation cost)."""
+        generated, tokens = self._fill(texts, caps_B, generator)
+        return [self.cache[self.teacher(t.prompt, t.route)][t.prompt] for t in texts], generated, tokens
 
     def _fill(self, texts: list[RowText], caps_B: list[int], generator: torch.Generator | None) -> tuple[int, int]:
         """Sample the missing (teacher, prompt) completions, one sample call per teacher. Returns how many, and
@@ -311,8 +330,10 @@ class BatchProducer:
         verifiers: Mapping[str, Verifier],
         row_texts: Mapping[tuple[str, str], RowText] | None = None,
         sampling: Mapping[str, Sampling] | None = None,
+        guide: GuidedPrefixes | None = None,
     ):
         self.student, self.tok, self.sampler, self.offpolicy, self.caps = student, tok, sampler, offpolicy, caps
+        self.guide = guide
         self.verifiers, self.row_texts, self.sampling = verifiers, row_texts or {}, dict(sampling or {})
         check_sampling(self.sampling, with_logprobs, engine is not None)
         self.batch_size, self.with_logprobs, self.overlap, self.engine = batch_size, with_logprobs, overlap, engine
@@ -339,10 +360,13 @@ class BatchProducer:
         caps_B = [self.caps[r] for r in routes]
         texts = texts_of(prompts, routes, self.row_texts)
         if on_policy:
+            prefixes, teacher_tokens = None, 0
+            if self.guide is not None and self.guide.active(routes, version):
+                prefixes, teacher_tokens = self.guide.prefixes(texts, caps_B, version, self.generator)
             batch = sample_batch(model, self.tok, prompts, routes, answers, caps_B, version, *self.temps,
                                  with_logprobs=self.with_logprobs, engine=self.engine, generator=self.generator,
-                                 verifiers=self.verifiers, sampling=self.sampling)
-            batch.texts = texts
+                                 verifiers=self.verifiers, sampling=self.sampling, prefixes=prefixes)
+            batch.texts, batch.teacher_tokens = texts, teacher_tokens
             return batch
         return self.offpolicy.batch(prompts, routes, answers, caps_B, self.generator, texts)
 
