@@ -61,6 +61,27 @@ def test_average_logits_is_the_weighted_mean_of_log_probs_renormalised_as_a_geom
     assert out_N_V.softmax(-1)[0].tolist() == pytest.approx([0.838619, 0.161381], abs=1e-5)
 
 
+def test_weak_to_strong_composes_the_large_base_with_a_small_models_scaled_rl_delta_exactly():
+    # Teachers (large base L, small RL model S_rl, small base S): L = [0.5, 0.5], S_rl = [0.8, 0.2], S = [0.4, 0.6];
+    # alpha = 2: log L + 2 (log S_rl - log S) = log .5 + 2 log(.8 / .4) | log .5 + 2 log(.2 / .6)
+    # = log(.5 * 4) | log(.5 / 9) -> p = [2, 1/18] / (2 + 1/18) = [36/37, 1/37].
+    logp_K_N_V = torch.tensor([[[LOG(0.5), LOG(0.5)]], [[LOG(0.8), LOG(0.2)]], [[LOG(0.4), LOG(0.6)]]])
+    w_K = normalized_weights([1, 2, -2], 3, signed=True)
+    assert w_K.tolist() == [1.0, 2.0, -2.0]  # already summing to 1
+    out_N_V = average_logprobs(logp_K_N_V, w_K)
+    assert out_N_V[0].tolist() == pytest.approx([math.log(2.0), math.log(0.5 / 9)], abs=1e-5)
+    assert out_N_V.softmax(-1)[0].tolist() == pytest.approx([36 / 37, 1 / 37], abs=1e-6)
+    # Through the head the merge applies (features concatenated; each head's log-softmax, then the composition).
+    heads = [torch.nn.Identity()] * 3
+    head = CombinedHead(heads, [2, 2, 2], average_logprobs, w_K)
+    z = head(torch.cat([logp_K_N_V[k] for k in range(3)], dim=-1))
+    assert z.log_softmax(-1)[0].exp().tolist() == pytest.approx([36 / 37, 1 / 37], abs=1e-6)
+    with pytest.raises(ValueError, match="positive sum"):
+        normalized_weights([1, -1], 2, signed=True)
+    with pytest.raises(ValueError, match="positive finite"):
+        normalized_weights([1, 2, -2], 3)  # unsigned (mixture, sampling): every weight positive
+
+
 def test_select_picks_the_lowest_mean_nll_per_sequence_ties_to_the_primary():
     # Summed NLL per (teacher, sequence) and each sequence's response tokens [2, 4, 0, 1]. Means:
     #   teacher 0: 2/2 = 1.0, 4/4 = 1.0,  0, 0.7/1 = 0.7
@@ -170,7 +191,8 @@ def test_spec_route_lists_teachers_with_a_combine_mode_and_weights():
     ({"teachers": ["a", "b"], "teacher_weights": [1, 2]}, "not select"),
     ({"teachers": ["a", "b"], "combine": "mixture", "teacher_weights": [1]}, "1 teacher_weights for 2 teachers"),
     ({"teachers": ["a", "b"], "combine": "mixture", "teacher_weights": [1, 0]}, "positive finite"),
-    ({"teachers": ["a", "b"], "combine": "average_logits", "teacher_weights": [1, -2]}, "positive finite"),
+    ({"teachers": ["a", "b"], "combine": "average_logits", "teacher_weights": [1, -2]}, "with a positive sum"),
+    ({"teachers": ["a", "b"], "combine": "mixture", "teacher_weights": [1.5, -0.5]}, "negative terms only with"),
     ({"teachers": ["a"]}, "write teacher: a"),
     ({"teachers": ["a", "a"]}, "appear more than once"),
     ({"teachers": ["a", "b"], "combine": "max"}, "'select', 'mixture' or 'average_logits'"),
@@ -340,7 +362,8 @@ def run_combined_merge(setup, combine: str, weights: list[float]):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("combine, weights", [("select", []), ("mixture", [1.0, 3.0]), ("average_logits", [])])
+@pytest.mark.parametrize("combine, weights", [("select", []), ("mixture", [1.0, 3.0]), ("average_logits", []),
+                                             ("average_logits", [1.5, -0.5])])
 def test_a_merge_with_two_teachers_on_one_route(setup, combine, weights, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -365,7 +388,9 @@ def test_a_merge_with_two_teachers_on_one_route(setup, combine, weights, capsys)
     assert {"teacher_nll/rev-low/rev-a", "teacher_nll/rev-low/rev-b"} <= set(m)
     assert len(scored) == 2
     # Off-policy completions (the cold start, GKD's 1 - lambda) of rev-low come from both of its teachers, by weight.
-    assert offpolicy.sample_from == {"rev-low": (["rev-a", "rev-b"], weights)}
+    # A composed teacher (a negative weight) has no sampling distribution of its own: its primary samples.
+    assert offpolicy.sample_from == ({} if -0.5 in weights else {"rev-low": (["rev-a", "rev-b"], weights)})
+    assert -0.5 not in weights or offpolicy.teacher("a prompt", "rev-low") == "rev-a"
     assert offpolicy.teacher("a prompt", "sort-low") == "sort-a"
     for routes, step in scored:  # every rev-low row scored once, by a teacher of rev-low or their combination
         assert step["sort-a"] == [i for i, r in enumerate(routes) if r == "sort-low"]

@@ -37,6 +37,7 @@ from tasks.modeling.engines import (
     route_sequences,
     served_plan,
 )
+from tasks.objectives.combine import composed
 from tasks.training.guided import GuidedPrefixes, GuideSchedule
 from tasks.training.distill import (
     BatchProducer,
@@ -367,7 +368,7 @@ class MergeLoop:
         self.offpolicy = OffPolicyData(opd.off_policy_source, self.tok, self.teachers, self.teacher_of, gold,
                                        opd.sample_temperature, verifiers=self.verifiers, eos=self.eos,
                                        sample_from={r: (names, weights) for r, (names, _, weights)
-                                                    in self.combinations.items()})
+                                                    in self.combinations.items() if not composed(weights)})
         self.window = _Window(self.state.window)
         self.planned = opd.cold_start_steps + opd.steps
         self.progress = Progress("merge-progress", f"merge {run_id}: optimizer steps done")

@@ -9,7 +9,10 @@ With K teachers' log-distributions ``log p_k`` over V tokens at a position and w
 ``mixture``        per token ``log sum_k w_k p_k``: the weighted mixture of the teachers' distributions
                    (:func:`mixture_logprobs`)
 ``average_logits`` per token ``sum_k w_k log p_k``: a weighted geometric mean (product of experts), left
-                   unnormalised; the objective's log-softmax renormalises it (:func:`average_logprobs`)
+                   unnormalised; the objective's log-softmax renormalises it (:func:`average_logprobs`). Its
+                   weights may hold negative terms (summing to a positive number): a composed teacher,
+                   e.g. weak-to-strong's large base plus ``alpha`` times a small model's RL delta, weights
+                   ``[1, alpha, -alpha]`` over (large base, small RL model, small base)
 ================== =====================================================================================
 
 The per-token modes run as a head over the teachers' features concatenated on the last axis
@@ -30,15 +33,25 @@ import torch.nn.functional as F
 from tasks.objectives.losses import Head, head_input
 
 
-def normalized_weights(weights: Sequence[float], k: int) -> torch.Tensor:
+def normalized_weights(weights: Sequence[float], k: int, signed: bool = False) -> torch.Tensor:
     """``[K]`` weights summing to 1: ``weights`` scaled, or uniform when empty. ValueError on a wrong count or a
-    weight that is not positive."""
+    weight that is not positive; with ``signed`` (``average_logits``: a composed teacher) a weight may be negative
+    or 0 as long as their sum is positive."""
     if not weights:
         return torch.full((k,), 1.0 / k)
     w_K = torch.tensor([float(w) for w in weights], dtype=torch.float64)
-    if len(weights) != k or not bool((w_K > 0).all()) or not bool(torch.isfinite(w_K).all()):
+    if len(weights) != k or not bool(torch.isfinite(w_K).all()) or not (signed or bool((w_K > 0).all())):
         raise ValueError(f"weights {list(weights)}: expected {k} positive finite numbers")
+    if signed and not float(w_K.sum()) > 0:
+        raise ValueError(f"weights {list(weights)}: expected {k} finite numbers with a positive sum")
     return (w_K / w_K.sum()).float()
+
+
+def composed(weights: Sequence[float]) -> bool:
+    """Whether a route's teacher weights compose a teacher rather than mix or vote (a term not positive: weak-to-
+    strong's ``log p_large + alpha * (log p_small_rl - log p_small_base)`` is ``average_logits`` over weights
+    ``[1, alpha, -alpha]``). Such a route's off-policy samples come from its primary teacher alone."""
+    return any(float(w) <= 0 for w in weights)
 
 
 def sampling_teacher(prompt: str, names: Sequence[str], weights: Sequence[float] = ()) -> str:

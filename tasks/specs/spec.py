@@ -269,8 +269,11 @@ class RouteSpec(_Spec):
                                  "scored whole by the teacher with the lowest mean NLL on its response tokens), "
                                  "mixture (per token, log of the weighted mean of their probabilities) or "
                                  "average_logits (per token, the weighted mean of their log-probabilities).")
-    teacher_weights: list[float] = Field(default_factory=list, description="mixture and average_logits: one positive "
-                                         "weight per name of teachers, normalised to sum 1; empty = uniform.")
+    teacher_weights: list[float] = Field(default_factory=list, description="mixture and average_logits: one weight "
+                                         "per name of teachers, normalised to sum 1; empty = uniform. Positive, "
+                                         "except with average_logits, where terms may be negative if the sum is "
+                                         "positive: a composed teacher, e.g. weak-to-strong [1, alpha, -alpha] over "
+                                         "(large base, small RL model, small base).")
     specialist: dict[str, Any] = Field(default_factory=dict, description="This route's specialist recipe where it "
                                        "differs from the flow's (specialist_train, or specialist_rl with "
                                        "specialist_trainer rl): field: value, e.g. {steps: 600}. Names and values "
@@ -300,8 +303,14 @@ class RouteSpec(_Spec):
         if self.teacher_weights and len(self.teacher_weights) != len(self.teachers):
             raise ValueError(f"{len(self.teacher_weights)} teacher_weights for {len(self.teachers)} teachers; expected "
                              "one weight per teacher, in the same order")
-        if any(not (0 < w < float("inf")) for w in self.teacher_weights):
-            raise ValueError(f"teacher_weights {self.teacher_weights}: expected positive finite numbers")
+        finite = all(abs(w) < float("inf") for w in self.teacher_weights)
+        if self.combine == "average_logits" and self.teacher_weights:  # a composed teacher may subtract one
+            if not (finite and sum(self.teacher_weights) > 0):
+                raise ValueError(f"teacher_weights {self.teacher_weights}: expected finite numbers with a positive "
+                                 "sum (negative terms compose a teacher, e.g. [1, alpha, -alpha])")
+        elif any(not (0 < w < float("inf")) for w in self.teacher_weights):
+            raise ValueError(f"teacher_weights {self.teacher_weights}: expected positive finite numbers (negative "
+                             "terms only with combine average_logits: a composed teacher)")
         return self
 
     @property

@@ -543,7 +543,8 @@ def combine_scores(
             device = parts[0].features_b_T_F.device
             features_b_T_F = torch.cat([p.features_b_T_F.to(device, torch.float32) for p in parts], dim=-1)
             head = CombinedHead([p.head for p in parts], [p.features_b_T_F.shape[-1] for p in parts],
-                                PER_TOKEN[mode], normalized_weights(weights, len(parts)), vocab_size)
+                                PER_TOKEN[mode], normalized_weights(weights, len(parts), mode == "average_logits"),
+                                vocab_size)
             out["+".join(names)] = TeacherScore(rows, features_b_T_F, head)
         else:
             raise ValueError(f"route {route!r}: unknown combine mode {mode!r}; known: {['select', *PER_TOKEN]}")
