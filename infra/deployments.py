@@ -23,6 +23,7 @@ from flows.bench.benchmark import benchmark_config  # noqa: E402
 from flows.bench.teachers import BenchTeachersConfig  # noqa: E402
 from flows.compare import CompareConfig  # noqa: E402
 from flows.evaluate import EvaluateConfig  # noqa: E402
+from flows.restore import RestoreConfig  # noqa: E402
 from flows.objectives import objectives_config  # noqa: E402
 from tasks.config import pipeline_config  # noqa: E402
 from tasks.gym import ROUTES  # noqa: E402
@@ -71,6 +72,10 @@ def entries() -> list[tuple[str, str, str, dict[str, BaseModel], str]]:
          "Register a specialist checkpoint as a teacher: validated (loads, same tokenizer) before anything is written."),
         ("merge", "quick", "flows/merge.py:merge", _cfg(quick.merge("", [])),
          "On-policy distillation of the routed teachers into one student (pick the objective under opd.loss)."),
+        ("restore", "quick", "flows/restore.py:restore",
+         _cfg(RestoreConfig.model_validate(quick.merge("", []).model_dump())),
+         "The next merge of a chain (chain: its merges' MLflow run ids), with the best earlier checkpoint as teacher "
+         "of each route the last merge lost (restore_below)."),
         ("evaluate", "quick", "flows/evaluate.py:evaluate", _cfg(EvaluateConfig(world=quick.world)),
          "Retention of any checkpoint (default: the @champion merged student) against the routed teachers."),
         ("compare-merges", "nightly", "flows/compare.py:compare_merges", _cfg(CompareConfig()),
