@@ -17,6 +17,7 @@ import sys
 from prefect import flow
 from pydantic import Field
 
+from flows.names import from_parameters
 from tasks.common.log import say
 from tasks.config import MergeConfig, pipeline_config
 from tasks.merging.restore import next_teachers, read_chain, restoration_plan
@@ -32,7 +33,11 @@ class RestoreConfig(MergeConfig):
                                  "when an earlier checkpoint of the chain scored higher on it.")
 
 
-@flow(name="restore", flow_run_name="restore-{cfg.chain[-1]}")
+def restore_name(cfg: RestoreConfig) -> str:
+    return f"restore-{cfg.chain[-1][:8] if cfg.chain else 'chain'}"
+
+
+@flow(name="restore", flow_run_name=from_parameters(RestoreConfig, restore_name))
 def restore(cfg: RestoreConfig) -> dict:
     """Plan the restorations, register their teachers, run merge k+1 and record the chain in its MLflow run."""
     from mlflow.tracking import MlflowClient
