@@ -14,7 +14,7 @@ from functools import cache
 from typing import Any
 
 from tasks.common.paths import models_dir, registry_path
-from tasks.modeling.routing import combining_refusal
+from tasks.modeling.routing import combining_refusal, guided_refusal
 from tasks.preflight import (
     CONFIG,
     device_problems,
@@ -103,6 +103,8 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
         refusal = combining_refusal(router, router.mapping, cfg.opd.teacher_backend)
         if refusal:
             problems.append(Problem(CONFIG, "opd.teacher_backend", refusal))
+        if refusal := guided_refusal(router, router.mapping, cfg.opd.rollout_backend):
+            problems.append(Problem(CONFIG, "opd.rollout_backend", refusal))
         student_fp = cache(lambda: checkpoint_fingerprint_of(student.uri))  # read once, only if a provenance names it
         for rec in router.teachers():
             eval_prompts = held_out[rec.route][0] if rec.route in held_out else None

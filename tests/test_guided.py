@@ -168,3 +168,19 @@ def test_a_guided_record_needs_its_schedule_and_no_other_record_has_one():
     from tasks.modeling.routing import registry_fingerprint
     other = rec.model_copy(update={"guide_steps": 50})
     assert registry_fingerprint([rec]) != registry_fingerprint([other])  # the schedule is part of the teacher
+
+
+def test_a_guided_teacher_on_the_vllm_rollout_backend_is_refused_with_the_reason():
+    from tasks.modeling.routing import guided_refusal
+    from teachers.registry import TeacherRecord
+    from teachers.router import Router
+
+    common = dict(route="rev-high", model_uri="/m", tokenizer_fingerprint="sha256:x")
+    router = Router({"rev-high": TeacherRecord(name="g", wrapper="guided", guide_fraction=0.5, guide_steps=10,
+                                               **common),
+                     "rev-low": TeacherRecord(name="p", **{**common, "route": "rev-low"})})
+    assert guided_refusal(router, ["rev-high", "rev-low"], "hf") == ""
+    assert guided_refusal(router, ["rev-low"], "vllm") == ""
+    refusal = guided_refusal(router, ["rev-high", "rev-low"], "vllm")
+    assert refusal.startswith("'vllm', but route(s) ['rev-high'] have a guided teacher")
+    assert refusal.endswith("expected opd.rollout_backend hf")

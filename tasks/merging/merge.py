@@ -78,7 +78,8 @@ from tasks.training.launch import job_dir, launch
 from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups, shard_student,
                                     sum_stats)
 from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
-from tasks.modeling.routing import Routing, TeacherRecord, combining_refusal, reads_own_text, registry_fingerprint
+from tasks.modeling.routing import (Routing, TeacherRecord, combining_refusal, guided_refusal, reads_own_text,
+                                    registry_fingerprint)
 from tasks.modeling.aligned import own_text_teacher
 from tasks.modeling.alignment import aligned_problems, digit_ids
 from tasks.modeling.teacher import make_teachers, teacher_kind
@@ -332,10 +333,8 @@ class MergeLoop:
         # teacher's own solution, withdrawn over its schedule (tasks/training/guided.py).
         self.guides = {r: GuideSchedule(rec.guide_fraction, rec.guide_steps) for r in self.routes
                        if getattr(rec := router.teacher_for(r), "wrapper", "plain") == "guided"}
-        if self.guides and opd.rollout_backend != "hf":
-            raise ValueError(f"route(s) {sorted(self.guides)} have a guided teacher, whose prefixes the student "
-                             f"continues on the transformers backend; expected opd.rollout_backend hf, not "
-                             f"{opd.rollout_backend!r}")
+        if refusal := guided_refusal(router, self.routes, opd.rollout_backend):
+            raise ValueError(f"opd.rollout_backend {refusal}")
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.
         # opd.route_normalization: each route's group (itself, or its value of a spec label; unlabelled: itself).
         key = opd.route_normalization.removeprefix("label:")

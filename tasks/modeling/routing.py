@@ -67,6 +67,16 @@ def combining_refusal(router: Routing, routes: Iterable[str], teacher_backend: s
             "checkpoints' full distributions); expected opd.teacher_backend hf, or one teacher per route")
 
 
+def guided_refusal(router: Routing, routes: Iterable[str], rollout_backend: str) -> str:
+    """Why ``rollout_backend`` cannot make ``routes``' rollouts ('' when it can): a route whose teacher is a guided one
+    (its prefixes continued by the student) needs the transformers backend. The text follows the value it refuses."""
+    guided = sorted(r for r in routes if getattr(router.teacher_for(r), "wrapper", "plain") == "guided")
+    if not guided or rollout_backend == "hf":
+        return ""
+    return (f"{rollout_backend!r}, but route(s) {guided} have a guided teacher, whose prefixes the student continues "
+            "on the transformers backend; expected opd.rollout_backend hf")
+
+
 def registry_fingerprint(records: Iterable[TeacherRecord]) -> str:
     """Short hash of which checkpoints (and tokenizers) serve as teachers, for MLflow tags and the merge's key."""
     payload = sorted([r.name, r.model_uri, r.tokenizer_fingerprint]
