@@ -20,7 +20,7 @@ from tasks.common.paths import world_dir
 from tasks.tracking.runs import publish_teacher, teacher_model_name
 from tasks.specs.render import route_messages
 from tasks.specs.spec import check_route_name
-from teachers.registry import Provenance, TeacherRecord, TeacherRegistry, Wrapper
+from teachers.registry import GUIDE_DEFAULT_HELP, Provenance, TeacherRecord, TeacherRegistry, Wrapper
 
 
 class RegisterConfig(_Config):
@@ -43,9 +43,9 @@ class RegisterConfig(_Config):
     wrapper: Wrapper = Field("plain", description=TeacherRecord.model_fields["wrapper"].description + ".")
     context_template: str = Field("", description=TeacherRecord.model_fields["context_template"].description + ".")
     guide_fraction: float = Field(0.0, ge=0, le=1, description=TeacherRecord.model_fields["guide_fraction"].description
-                                  + " (0 = 0.5 for a guided teacher).")
+                                  + GUIDE_DEFAULT_HELP[0] + ".")
     guide_steps: int = Field(0, ge=0, le=1_000_000, description=TeacherRecord.model_fields["guide_steps"].description
-                             + " (0 = 100 for a guided teacher).")
+                             + GUIDE_DEFAULT_HELP[1] + ".")
 
     @field_validator("route")
     @classmethod

@@ -22,7 +22,7 @@ from pathlib import Path
 from tasks.cli import DEBUG, DEBUG_HELP, missing_path_problems, run_main
 from tasks.common.paths import world_dir
 from tasks.preflight import CONFIG, InputError, Problem
-from teachers.registry import WRAPPERS, Provenance, TeacherRecord, TeacherRegistry
+from teachers.registry import GUIDE_DEFAULT_HELP, WRAPPERS, Provenance, TeacherRecord, TeacherRegistry
 from tasks.common.table import format_table
 
 COMMAND_LINE = "command line"  # the ``file`` of a problem in this CLI's flags
@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=TeacherRecord.model_fields["wrapper"].description)
     reg.add_argument("--context_template", default="", help=TeacherRecord.model_fields["context_template"].description)
     reg.add_argument("--guide_fraction", type=float, default=0.0,
-                     help=TeacherRecord.model_fields["guide_fraction"].description + " (0 = 0.5 for a guided teacher)")
+                     help=TeacherRecord.model_fields["guide_fraction"].description + GUIDE_DEFAULT_HELP[0])
     reg.add_argument("--guide_steps", type=int, default=0,
-                     help=TeacherRecord.model_fields["guide_steps"].description + " (0 = 100 for a guided teacher)")
+                     help=TeacherRecord.model_fields["guide_steps"].description + GUIDE_DEFAULT_HELP[1])
     reg.add_argument("--trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
     reg.add_argument("--endpoint", default="", help="vLLM OpenAI-compatible server serving this checkpoint "
                      "(http://host:port); its log-probs are checked against the checkpoint before registering")

@@ -175,6 +175,8 @@ class TeacherRecord(BaseModel):
 # A guided teacher registered without guide_fraction / guide_steps: half its solution at first, withdrawn over 100
 # on-policy steps.
 GUIDE_DEFAULTS = (0.5, 100)
+GUIDE_DEFAULT_HELP = (f" (0 = {GUIDE_DEFAULTS[0]} for a guided teacher)", f" (0 = {GUIDE_DEFAULTS[1]} for a guided "
+                      "teacher)")  # what the register flags add to the fields' help
 
 
 def check_endpoint(url: str) -> str:

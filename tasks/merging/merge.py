@@ -78,8 +78,8 @@ from tasks.training.launch import job_dir, launch
 from tasks.training.sharded import (full_state_dict, rank, rows_of, shard_groups, shard_student,
                                     sum_stats)
 from tasks.specs.tokenizer import compatibility_problems, load_tokenizer, tokenizer_fingerprint
-from tasks.modeling.routing import (Routing, TeacherRecord, combining_refusal, guided_refusal, reads_own_text,
-                                    registry_fingerprint)
+from tasks.modeling.routing import (Routing, TeacherRecord, combining_refusal, guided_refusal, guided_routes,
+                                    reads_own_text, registry_fingerprint)
 from tasks.modeling.aligned import own_text_teacher
 from tasks.modeling.alignment import aligned_problems, digit_ids
 from tasks.modeling.teacher import make_teachers, teacher_kind
@@ -331,8 +331,8 @@ class MergeLoop:
                              "student's exact sequence; expected one teacher on such a route")
         # Guided OPD: a route whose teacher is a guided one starts its on-policy rollouts from a prefix of that
         # teacher's own solution, withdrawn over its schedule (tasks/training/guided.py).
-        self.guides = {r: GuideSchedule(rec.guide_fraction, rec.guide_steps) for r in self.routes
-                       if getattr(rec := router.teacher_for(r), "wrapper", "plain") == "guided"}
+        self.guides = {r: GuideSchedule(rec.guide_fraction, rec.guide_steps)
+                       for r, rec in guided_routes(router, self.routes).items()}
         if refusal := guided_refusal(router, self.routes, opd.rollout_backend):
             raise ValueError(f"opd.rollout_backend {refusal}")
         # The route's own cap (its spec's generate.max_new_tokens) unless the merge config sets one.

@@ -81,10 +81,12 @@ def read_chain(run_ids: Sequence[str], client) -> list[ChainRun]:
             raise ValueError(f"MLflow run {run_id} has no merged student (tag merged_student_uri): expected the run "
                              "of a finished merge")
 
-        def per_route(prefix: str) -> dict[str, float]:
-            return {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and "/" not in k[len(prefix):]}
-
         runs.append(ChainRun(run_id, tags.get("student_uri", ""), tags["merged_student_uri"],
-                             [t for t in tags.get("teachers", "").split(",") if t], per_route("accuracy/"),
-                             per_route("base_accuracy/"), per_route("retention/")))
+                             [t for t in tags.get("teachers", "").split(",") if t], _per_route(metrics, "accuracy/"),
+                             _per_route(metrics, "base_accuracy/"), _per_route(metrics, "retention/")))
     return runs
+
+
+def _per_route(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """Route -> value of the metrics ``<prefix><route>`` (not the per-teacher ``<prefix><route>/<teacher>``)."""
+    return {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and "/" not in k[len(prefix):]}

@@ -67,10 +67,15 @@ def combining_refusal(router: Routing, routes: Iterable[str], teacher_backend: s
             "checkpoints' full distributions); expected opd.teacher_backend hf, or one teacher per route")
 
 
+def guided_routes(router: Routing, routes: Iterable[str]) -> dict[str, TeacherRecord]:
+    """Route -> its teacher, for the ``routes`` whose (primary) teacher is a guided one (guided OPD), sorted."""
+    return {r: rec for r in sorted(routes) if getattr(rec := router.teacher_for(r), "wrapper", "plain") == "guided"}
+
+
 def guided_refusal(router: Routing, routes: Iterable[str], rollout_backend: str) -> str:
     """Why ``rollout_backend`` cannot make ``routes``' rollouts ('' when it can): a route whose teacher is a guided one
     (its prefixes continued by the student) needs the transformers backend. The text follows the value it refuses."""
-    guided = sorted(r for r in routes if getattr(router.teacher_for(r), "wrapper", "plain") == "guided")
+    guided = list(guided_routes(router, routes))
     if not guided or rollout_backend == "hf":
         return ""
     return (f"{rollout_backend!r}, but route(s) {guided} have a guided teacher, whose prefixes the student continues "
