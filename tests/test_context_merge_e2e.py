@@ -3,10 +3,13 @@ shipped SmolLM2 tokenizer as the student; on route ``lookup`` ("Which word goes 
 a tiny Llama of the same tokenizer taught to answer with the row's context column ("The word is stone.") in its
 prompt, registered with ``wrapper: context``; route ``echo`` has a plain teacher. (A model this small does not learn
 to read the word out of its context in a test's budget, so the context here is the plumbing's witness;
-test_context_teacher.py checks exactly what each side reads.) Through registration,
-preflight (a context teacher on a route without context is refused), the merge flow (on-policy only: no cold start,
-so whatever the student learns on ``lookup`` comes from the context teacher's scores of its own context-free samples)
-and its evaluation (the teacher's accuracy is with its context), the signal logged per route."""
+test_context_teacher.py checks exactly what each side reads.) Scored on the first word the student says (a
+``regex`` verifier): that word is what the context teacher taught; when to stop is a separate skill that 120 steps
+of a random student learn on some machines and not on others (on 2026-12-07 it answered "stonestonestone..." to its
+cap: exact accuracy 0.0, as the base). Through registration, preflight (a context teacher on a route without
+context is refused), the merge flow (on-policy only: no cold start, so whatever the student learns on ``lookup``
+comes from the context teacher's scores of its own context-free samples) and its evaluation (the teacher's accuracy
+is with its context), the signal logged per route."""
 
 import json
 
@@ -44,7 +47,7 @@ def project(tmp_path_factory):
     for name, rows in (("lookup", lookup), ("echo", echo)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     route = {"labels": {"domain": "words", "budget": "low"}, "render": {"kind": "chat", "system": "Be brief."},
-             "generate": {"max_new_tokens": 4}, "verify": {"kind": "exact"}}
+             "generate": {"max_new_tokens": 4}, "verify": {"kind": "regex", "pattern": rf"^\s*({'|'.join(WORDS)})"}}
     data = {"prompt_column": "question", "answer_column": "gold", "completion_column": "gold", "eval_size": 8}
     spec = {"routes": [{"name": "lookup", **route, "data": {"source": "lookup.jsonl", **data, "context_column": "hint"}},
                        {"name": "echo", **route, "data": {"source": "echo.jsonl", **data}}]}
