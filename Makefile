@@ -5,7 +5,7 @@
 PY ?= python3
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm-env bench-env main quick real objectives benchmark test mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup vllm-env bench-env main quick real objectives benchmark test test-fast mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 setup:
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
@@ -86,6 +86,11 @@ deployments:
 
 test: setup vllm-env bench-env
 	PY=$(PY) VLLM_PY=$(VLLM_VENV)/bin/python bash infra/run-tests.sh
+
+# The inner loop: unit tests only (no flow end to end, no vLLM, no browser, none marked slow), a few minutes on two
+# cores. Not what CI runs: `make test` is the whole suite.
+test-fast: setup
+	$(PY) -m pytest -q -m "not e2e and not vllm and not slow"
 
 ui-mlflow:
 	bash infra/ui.sh mlflow

@@ -21,6 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.names import from_parameters, specialists_name
 from tasks.common.log import say
+from tasks.common.problems import UserError
 from tasks.config import SpecialistsConfig, pipeline_config
 from tasks.modeling.models import checkpoint_fingerprint
 from tasks.preflight import CONFIG, Problem
@@ -84,13 +85,13 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
             for i, f in [(i, runner.submit(again, parameters=params[i])) for i in gone]:
                 results[i] = f.result(raise_on_failure=False)
     registry = TeacherRegistry()
-    names, failed = [], []
+    names, failed, below = [], [], {}
     for route, res in zip(routes, results):
         if isinstance(res, BaseException):
             failed.append(f"{route}: {type(res).__name__}: {res}")
             continue
         if res["accuracy"] < cfg.min_accuracy:
-            failed.append(f"{route}: accuracy {res['accuracy']:.3f} < min_accuracy {cfg.min_accuracy}")
+            below[route] = res["accuracy"]
             continue
         name = f"{cfg.name_prefix}-{route}"
         record = registry.register_checkpoint(
@@ -102,9 +103,25 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
         names.append(name)
         say(f"registered teacher {name} ({route}, accuracy {res['accuracy']:.3f}); MLflow model "
             f"{teacher_model_name(route)} version {version}")
-    if failed:
+    if failed:  # training raised: a bug or the machine, with its traceback
+        failed += [f"{r}: accuracy {a:.3f} < min_accuracy {cfg.min_accuracy}" for r, a in below.items()]
         raise RuntimeError(f"{len(failed)} specialist(s) failed (the {len(names)} others are registered): " + "; ".join(failed))
+    if below:  # an expected outcome, said in a few lines
+        raise SpecialistsBelowThreshold(below, cfg.min_accuracy, {r: recipes[r].steps for r in below}, names)
     return names
+
+
+class SpecialistsBelowThreshold(UserError):
+    """Specialists that trained and ended below ``min_accuracy``: not registered; the ones that passed are."""
+
+    def __init__(self, below: dict[str, float], threshold: float, steps: dict[str, int], registered: list[str]):
+        self.below, self.registered = below, registered
+        self.lines = [f"specialist {r}: accuracy {a:.3f} on its held-out prompts after {steps[r]} steps, below "
+                      f"min_accuracy {threshold}; not registered" for r, a in below.items()]
+        self.lines.append(f"registered and kept: {', '.join(registered)}" if registered else "no specialist registered")
+        self.lines.append("to change: more steps (--train.steps, or the route's `specialist: {steps: N}` in its spec), "
+                          "a larger base (--base_model), or a lower --min_accuracy")
+        super().__init__("\n".join(self.lines))
 
 
 def _problems(cfg: SpecialistsConfig) -> list[Problem]:

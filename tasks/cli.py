@@ -269,10 +269,12 @@ def problems_of(check: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Pr
 
 
 def error_lines(e: BaseException) -> list[str]:
-    """``error: ...`` lines for a refusal: one per problem when it lists them, else its message on one line."""
+    """``error: ...`` lines for a refusal: one per problem or line when it lists them, else its message on one line."""
     problems = getattr(e, "problems", None)
     if isinstance(e, (InvalidConfig, InputError)) and problems:
         return [f"error: {' '.join(str(p).split())}" for p in problems]
+    if isinstance(e, UserError) and getattr(e, "lines", None):  # a refusal that says itself in a few lines
+        return [f"error: {' '.join(line.split())}" for line in e.lines]
     return [f"error: {' '.join(str(e).split()) or type(e).__name__}"]
 
 

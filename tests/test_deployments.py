@@ -73,6 +73,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="loads each entrypoint in a forked child")
 def test_every_entrypoint_imports_in_a_fresh_process_as_the_worker_loads_it(doc):
     """The worker's flow-run process imports the entrypoint for real (no placeholder) from the project root. The

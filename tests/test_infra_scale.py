@@ -145,6 +145,7 @@ def dry_run(tmp_path) -> tuple[subprocess.CompletedProcess, dict[str, list[str]]
     return proc, commands, skips
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_prints_commands_the_flows_accept(tmp_path, monkeypatch):
     proc, commands, skips = dry_run(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

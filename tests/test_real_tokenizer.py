@@ -110,6 +110,15 @@ def test_a_padded_head_gives_the_loss_of_its_first_len_tok_rows(tok, batch, whic
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+def test_a_padded_teacher_without_vocab_size_is_refused_naming_both_widths(tok, batch):
+    V = len(tok)
+    student, teacher = llama(V, seed=0), padded(llama(V, seed=1), 10.0)
+    W = teacher.get_output_embeddings().weight.shape[0]
+    with pytest.raises(ValueError, match=rf"student's head has {V} outputs and the teacher's {W}.*vocab_size"):
+        merge_loss(student, teacher, batch, None)
+    assert merge_loss(student, teacher, batch, V) > 0  # with it, the two compare over the tokenizer's ids
+
+
 @pytest.mark.parametrize("which", ["teacher", "reference"])
 def test_extrapolated_teacher_and_reference_heads_are_cut_to_the_tokenizer(tok, batch, which):
     # ExOPD: the teacher's and the reference's log-softmax each run over the real vocabulary, whichever is padded.

@@ -229,6 +229,7 @@ def _register_from_process(registry: str, name: str, route: str, ckpt: str, stud
     TeacherRegistry(registry).register_checkpoint(name, route, ckpt, student_tok, provenance=Provenance(source="test"))
 
 
+@pytest.mark.slow
 def test_eight_processes_register_at_once_and_all_entries_land(tmp_path, tok, ckpt):
     # Separate processes (spawn: nothing shared but the file system) each run the full register_checkpoint at the
     # same moment; the flock on registry.json.lock serialises their read-modify-write.

@@ -150,6 +150,7 @@ def test_opd_steps_reduce_reverse_kl_to_the_teacher(tok, loss):
     assert all(torch.equal(a, b) for a, b in zip(teacher_params, teacher.parameters()))  # teacher untouched
 
 
+@pytest.mark.slow
 def test_compiled_generation_decodes_as_eager_and_follows_weight_updates(tok):
     """opd.compile_generation: a marked model generates through torch.compile (dynamo compiles graphs) with a static
     cache, greedy tokens equal the eager ones, an in-place weight update changes them the same way without a

@@ -22,6 +22,8 @@ from tasks.training.sft import make_optimizer
 from tasks.world.domains import Route, domain_of, format_prompt
 from tasks.world.spec import world_verifiers
 
+pytestmark = pytest.mark.slow
+
 PROBLEMS = {"rev-high": ["abcd", "qwe", "zz", "xyzw", "ab"], "sort-low": ["5203", "91", "777", "8412"]}
 
 

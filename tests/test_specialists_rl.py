@@ -12,6 +12,8 @@ from tasks.config import RLConfig, SpecialistsConfig, TrainConfig, WorldConfig, 
 from tasks.training.specialist import SPECIALISTS_EXPERIMENT, specialist_dir
 from tasks.tracking.runs import tracking_uri
 
+pytestmark = pytest.mark.slow
+
 ROUTE = "rev-low"
 # Measured on this 2-core machine (2026-12): the quick base answers 0.47 of rev-low's held-out prompts; 200 GRPO steps
 # of 32 prompts x 8 samples (the RLConfig defaults) reach 0.62 in ~35 s of training. Asserted with room for noise.

@@ -60,6 +60,7 @@ print(json.dumps(dict(home=str(s.home), results=str(s.results.local_storage_path
 """
 
 
+@pytest.mark.slow
 def test_a_flow_module_keeps_prefect_plots_and_caches_under_the_state_folder(fresh):
     """``import flows.base`` imports prefect before anything from tasks/: flows/__init__.py has to come first."""
     home, opd, cwd = fresh

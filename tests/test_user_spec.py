@@ -137,6 +137,7 @@ def test_a_prompt_longer_than_the_context(spec_dir):
     assert not any("routes[letters]" in p or "routes[reverse]" in p for p in problems)  # <= 54 + 4, <= 42 + 10 fit
 
 
+@pytest.mark.slow
 def test_every_problem_of_a_spec_at_once_and_the_command_line_says_them_without_a_traceback(spec_dir):
     def break_two(d):
         d["routes"][0]["data"]["prompt_column"] = "text"

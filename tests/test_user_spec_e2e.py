@@ -13,6 +13,8 @@ from tasks.common.paths import PROJECT_ROOT
 from tasks.specs.prompt_set import spec_digest
 from tasks.tracking.runs import tracking_uri
 
+pytestmark = pytest.mark.e2e
+
 SPEC = PROJECT_ROOT / "tests" / "data" / "user_spec" / "routes.yaml"
 
 

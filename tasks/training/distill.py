@@ -592,6 +592,22 @@ def sequence_advantages(rewards_B: torch.Tensor, routes: list[str], reward_weigh
     return reward_weight * adv_B
 
 
+def _head_width(head) -> int | None:
+    out = getattr(head, "out_features", None)
+    weight = getattr(head, "weight", None)
+    return out if out is not None else (weight.shape[0] if isinstance(weight, torch.Tensor) else None)
+
+
+def head_mismatch(student_head, teacher_head) -> None:
+    """Refuse heads of different widths compared whole (no ``vocab_size``): a padded head (a vocabulary rounded up to a
+    multiple of 64, say) would otherwise fail deep in the loss with a bare tensor-size error."""
+    s, t = _head_width(student_head), _head_width(teacher_head)
+    if s is not None and t is not None and s != t:
+        raise ValueError(f"the student's head has {s} outputs and the teacher's {t}: a head padded past the "
+                         "tokenizer; pass update_step(..., vocab_size=len(tokenizer)) to compare the two over the "
+                         "tokenizer's ids (the merge always does)")
+
+
 def update_step(
     student: PreTrainedModel,
     batch: Batch,
@@ -643,6 +659,8 @@ def update_step(
     # same way every run, so a resumed merge stays bit-identical.
     for name, score in sorted(teacher_hidden.items()):
         rows, hidden_b_T_H, teacher_head, signal_b_T, _ = TeacherScore(*score)  # (a bare 3-tuple will do)
+        if vocab_size is None:
+            head_mismatch(student.get_output_embeddings(), teacher_head)
         by_objective: dict[Objective, list[int]] = {}
         for j, row in enumerate(rows):
             by_objective.setdefault(objectives[routes[row]], []).append(j)
