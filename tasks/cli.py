@@ -268,14 +268,19 @@ def problems_of(check: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Pr
     return []
 
 
+def _error_line(text: str) -> str:
+    """One ``error: ...`` line: the text with its whitespace (newlines included) folded to single spaces."""
+    return f"error: {' '.join(text.split())}"
+
+
 def error_lines(e: BaseException) -> list[str]:
     """``error: ...`` lines for a refusal: one per problem or line when it lists them, else its message on one line."""
     problems = getattr(e, "problems", None)
     if isinstance(e, (InvalidConfig, InputError)) and problems:
-        return [f"error: {' '.join(str(p).split())}" for p in problems]
+        return [_error_line(str(p)) for p in problems]
     if isinstance(e, UserError) and getattr(e, "lines", None):  # a refusal that says itself in a few lines
-        return [f"error: {' '.join(line.split())}" for line in e.lines]
-    return [f"error: {' '.join(str(e).split()) or type(e).__name__}"]
+        return [_error_line(line) for line in e.lines]
+    return [_error_line(str(e) or type(e).__name__)]
 
 
 class _NoRefusalTracebacks(logging.Filter):

@@ -91,6 +91,19 @@ def state_dir() -> Path:
     return _STATE
 
 
+@pytest.fixture
+def latest_base_kept(state_dir):
+    """For a test that trains a tiny base of its own: the state folder's LATEST_BASE marker is put back afterwards,
+    since other tests' empty base URIs mean the session's base, not this tiny one."""
+    marker = state_dir / "models" / "LATEST_BASE"
+    latest = marker.read_text() if marker.exists() else None
+    yield
+    if latest is not None:
+        marker.write_text(latest)
+    else:
+        marker.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     from prefect.testing.utilities import prefect_test_harness

@@ -58,7 +58,7 @@ def test_an_adapter_folder_registers_passes_the_preflight_and_teaches_as_its_mer
     the same function as the merged specialist saved beside it."""
     import shutil
 
-    from tasks.merging.merge import _load_teacher
+    from tasks.merging.merge import load_teacher
     from tasks.modeling.models import load_model
     from tasks.preflight import check_checkpoint
     from tasks.specs.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -74,7 +74,7 @@ def test_an_adapter_folder_registers_passes_the_preflight_and_teaches_as_its_mer
     assert rec.tokenizer_fingerprint == tokenizer_fingerprint(load_tokenizer(base_dir))
     ck = check_checkpoint(str(adapter), "teacher 'adapter-teacher'.model_uri")
     assert ck.problems == [] and ck.config.model_type == "llama"
-    teacher = _load_teacher(rec, load_tokenizer(base_dir))
+    teacher = load_teacher(rec, load_tokenizer(base_dir))
     # Merged into its base on loading (one plain forward per score), not carried as LoRA layers beside it.
     assert not [n for n, _ in teacher.named_modules() if "lora" in n]
     ids_B_T = torch.tensor([[1, 504, 3299, 28, 2, 30]])
@@ -98,7 +98,7 @@ def test_an_adapter_teacher_names_its_base_in_the_registry_and_every_load_checks
 
     from safetensors.torch import load_file, save_file
 
-    from tasks.merging.merge import _load_teacher
+    from tasks.merging.merge import load_teacher
     from tasks.modeling.models import checkpoint_fingerprint, load_model
     from tasks.preflight import check_checkpoint, teacher_problems
     from tasks.specs.tokenizer import load_tokenizer
@@ -121,7 +121,7 @@ def test_an_adapter_teacher_names_its_base_in_the_registry_and_every_load_checks
     student_tok = load_tokenizer(base_dir)
     ids_B_T = torch.tensor([[1, 504, 3299, 28, 2, 30]])
     with torch.no_grad():
-        torch.testing.assert_close(_load_teacher(rec, student_tok)(ids_B_T).logits,
+        torch.testing.assert_close(load_teacher(rec, student_tok)(ids_B_T).logits,
                                    load_model(experts[0])(ids_B_T).logits, atol=1e-5, rtol=1e-4)
 
     # The base changes in place after registration (re-converted, fine-tuned): refused at load, and by the preflight.
@@ -130,7 +130,7 @@ def test_an_adapter_teacher_names_its_base_in_the_registry_and_every_load_checks
     key = next(k for k in tensors if k.endswith("q_proj.weight"))
     save_file({**tensors, key: tensors[key] + 0.01}, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="the base changed since the adapter was registered"):
-        _load_teacher(rec, student_tok)
+        load_teacher(rec, student_tok)
     student = check_checkpoint(str(base_dir), "student_uri")
     problems = teacher_problems(rec, student, str(registry.path), None, "")
     assert [p.field for p in problems if "base changed" in p.message] == ["teacher 't'.base_model"]

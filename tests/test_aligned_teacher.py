@@ -381,7 +381,7 @@ def test_a_teacher_whose_template_changed_since_registration_is_refused_at_load(
     """Registration checked each template; the merge checks again when it loads the teacher, before its weights."""
     import shutil
 
-    from tasks.merging.merge import _load_teacher
+    from tasks.merging.merge import load_teacher
     from teachers.registry import TeacherRegistry
 
     student, _ = toks
@@ -390,16 +390,16 @@ def test_a_teacher_whose_template_changed_since_registration_is_refused_at_load(
     tiny_llama(student, 3, 512).eval().save_pretrained(folder)
     student.save_pretrained(folder)
     plain = reg.register_checkpoint("same", "r", folder, student, messages=MESSAGES)
-    assert _load_teacher(plain, student, messages=MESSAGES) is not None
+    assert load_teacher(plain, student, messages=MESSAGES) is not None
     template = folder / "chat_template.jinja"
     template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))  # edited after registering
     with pytest.raises(ValueError, match="chat templates render"):
-        _load_teacher(plain, student, messages=MESSAGES)
-    _load_teacher(plain, student)  # a format route reads no template
+        load_teacher(plain, student, messages=MESSAGES)
+    load_teacher(plain, student)  # a format route reads no template
 
     other = shutil.copytree(other_teacher, tmp_path / "other")
     aligned = reg.register_checkpoint("other", "r", other, student, wrapper="aligned", messages=MESSAGES)
-    assert _load_teacher(aligned, student, messages=MESSAGES) is not None
+    assert load_teacher(aligned, student, messages=MESSAGES) is not None
     (other / "chat_template.jinja").unlink()
     with pytest.raises(ValueError, match="no chat template"):
-        _load_teacher(aligned, student, messages=MESSAGES)
+        load_teacher(aligned, student, messages=MESSAGES)

@@ -24,28 +24,20 @@ def specialist_runs(route: str) -> int:
     return len(client.search_runs([exp.experiment_id], f"tags.mlflow.runName = 'specialist-{route}'"))
 
 
-def test_a_cached_base_or_specialist_whose_folder_is_gone_is_trained_again(prefect_server, state_dir):
+def test_a_cached_base_or_specialist_whose_folder_is_gone_is_trained_again(prefect_server, latest_base_kept):
     from flows.base import prepare_base
     from flows.specialists import train_specialists
     from tasks.config import pipeline_config
     from teachers.registry import TeacherRegistry
 
-    marker = state_dir / "models" / "LATEST_BASE"
-    latest = marker.read_text() if marker.exists() else None
     cfg = pipeline_config("quick", base_train={"steps": 6}, specialist_train={"steps": 3}, min_accuracy=0.0)
-    try:
-        base = prepare_base(cfg.pretrain())
-        again = prepare_base(cfg.pretrain())  # a cache hit: the same folder, untouched
-        assert again == base
-        shutil.rmtree(base["uri"])
-        rebuilt = prepare_base(cfg.pretrain())
-        assert rebuilt["uri"] == base["uri"] and Path(base["uri"], "model.safetensors").is_file()
-        assert rebuilt["accuracy"] == base["accuracy"]  # the same training, again
-    finally:
-        if latest is not None:  # other tests' empty base URIs mean the session's base, not this tiny one
-            marker.write_text(latest)
-        else:
-            marker.unlink(missing_ok=True)
+    base = prepare_base(cfg.pretrain())
+    again = prepare_base(cfg.pretrain())  # a cache hit: the same folder, untouched
+    assert again == base
+    shutil.rmtree(base["uri"])
+    rebuilt = prepare_base(cfg.pretrain())
+    assert rebuilt["uri"] == base["uri"] and Path(base["uri"], "model.safetensors").is_file()
+    assert rebuilt["accuracy"] == base["accuracy"]  # the same training, again
 
     scfg = cfg.specialists(base["uri"]).model_copy(update={"name_prefix": "gone"})
     routes = scfg.world.routes

@@ -68,7 +68,6 @@ def assert_refused(proc: subprocess.CompletedProcess, *names: str) -> list[str]:
     return [line for line in lines if line.startswith("error: ")]
 
 
-@pytest.mark.slow
 def test_register_names_the_missing_folder(refusals):
     errors = assert_refused(refusals["register-missing-folder"], "model_uri", "/nonexistent", "no such folder")
     # Every problem at once: the built-in world's tokenizer (the default student tokenizer) is not there either.

@@ -171,13 +171,13 @@ def test_pickle_weights_are_not_loaded(ckpt, tmp_path):
 
 
 def test_remote_code_runs_only_with_a_registry_grant(ckpt, tmp_path, tok):
-    from tasks.merging.merge import _load_teacher
+    from tasks.merging.merge import load_teacher
 
     remote = shutil.copytree(ckpt, tmp_path / "remote")
     marker = _remote_code_config(remote)
     rec = make_record("remote-teacher", model_uri=str(remote))  # an entry without trust_remote_code
     assert rec.trust_remote_code is False
-    for load in (lambda: load_model(remote), lambda: _load_teacher(rec, tok)):
+    for load in (lambda: load_model(remote), lambda: load_teacher(rec, tok)):
         with pytest.raises(Exception, match="trust_remote_code|opd-evil|model type"):
             load()
     with pytest.raises(IncompatibleTeacher):

@@ -18,23 +18,15 @@ def test_the_exception_says_each_route_its_accuracy_and_what_to_change():
     assert len(lines) == 3 and "--train.steps" in lines[2] and "--min_accuracy" in lines[2]
 
 
-def test_the_main_job_below_min_accuracy_exits_2_in_a_few_lines_without_a_traceback(prefect_server, state_dir,
+def test_the_main_job_below_min_accuracy_exits_2_in_a_few_lines_without_a_traceback(prefect_server, latest_base_kept,
                                                                                    capfd):
     from flows.pipeline import main
     from tasks.cli import run_main
     from teachers.registry import TeacherRegistry
 
-    marker = state_dir / "models" / "LATEST_BASE"
-    latest = marker.read_text() if marker.exists() else None
     before = {r.name: r.model_uri for r in TeacherRegistry().list()}
-    try:
-        code = run_main(main, ["--profile", "quick", "--world.routes", "shift-low,rev-high", "--base_train.steps", "6",
-                               "--specialist_train.steps", "3", "--min_accuracy", "1.0"])
-    finally:  # other tests' empty base URIs mean the session's base, not this tiny one
-        if latest is not None:
-            marker.write_text(latest)
-        else:
-            marker.unlink(missing_ok=True)
+    code = run_main(main, ["--profile", "quick", "--world.routes", "shift-low,rev-high", "--base_train.steps", "6",
+                           "--specialist_train.steps", "3", "--min_accuracy", "1.0"])
     out, err = capfd.readouterr()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2

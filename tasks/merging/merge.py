@@ -125,7 +125,7 @@ def route_metrics(scores: dict[str, RouteScore], teacher_acc: dict[str, float],
 
 def check_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase,
                   messages: list[dict[str, str]] | None = None, student_fp: str | None = None) -> None:
-    """What :func:`_load_teacher` checks before any weight is read (ValueError naming the teacher): its tokenizer
+    """What :func:`load_teacher` checks before any weight is read (ValueError naming the teacher): its tokenizer
     against the student's (a plain teacher) or the one it was registered with (an aligned one), its chat template on
     ``messages``, its adapter's named base."""
     if problems := base_problems(rec.model_uri, rec.base_model, rec.base_fingerprint):
@@ -148,7 +148,7 @@ def check_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase,
             raise ValueError(f"teacher {rec.name!r} ({rec.model_uri}): " + "; ".join(problems))
 
 
-def _load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, device: str = "auto", dtype: str = "fp32",
+def load_teacher(rec: TeacherRecord, student_tok: PreTrainedTokenizerBase, device: str = "auto", dtype: str = "fp32",
                   messages: list[dict[str, str]] | None = None, student_fp: str | None = None) -> torch.nn.Module:
     """A teacher's checkpoint, frozen, on ``device`` in ``dtype`` (the merge's ``opd.teacher_device`` and
     ``opd.teacher_dtype``), once its tokenizer is checked (before any weight is read): the student's for a plain
@@ -300,7 +300,7 @@ class MergeLoop:
             for rec in router.teachers_for(r):
                 if first_chat.get(r):
                     served.setdefault(rec.name, first_chat[r])
-        self.pool = TeacherPool(list(records), lambda name: _load_teacher(records[name], self.tok, opd.teacher_device,
+        self.pool = TeacherPool(list(records), lambda name: load_teacher(records[name], self.tok, opd.teacher_device,
                                                                 opd.teacher_dtype, served.get(name), student_fp),
                                 opd.max_resident_teachers,
                                 **host_parking(resolve_device(opd.teacher_device), opd.teacher_offload))
