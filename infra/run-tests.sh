@@ -8,7 +8,7 @@
 # With arguments (a subset, e.g. one test file) a tier that collects nothing is only reported.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}
+source infra/python.sh
 VLLM_PY=${VLLM_PY:-.venv-vllm/bin/python}
 FULL=$([ "$#" -eq 0 ] && echo 1 || echo 0)
 

@@ -19,7 +19,7 @@ HOST="${OPD_HOST:-127.0.0.1}"
 PREFECT_PORT="${PREFECT_PORT:-4200}"
 MLFLOW_PORT="${MLFLOW_PORT:-5000}"
 POOL="${OPD_WORK_POOL:-opd-local}"
-PY="${PY:-python3}"
+source "$ROOT/infra/python.sh"
 START_TIMEOUT="${OPD_STACK_TIMEOUT:-180}"
 
 stack_env() {

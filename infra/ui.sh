@@ -5,6 +5,7 @@
 #   PORT=4300 bash infra/ui.sh prefect   another port: the UI's API calls go to that port too
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source infra/python.sh
 STATE="${OPD_HOME:-$PWD/.opd}"
 mkdir -p "$STATE/prefect"
 case "${1:-}" in

@@ -2,7 +2,12 @@
 result storage) in a temp dir, set before anything imports prefect or mlflow. Flows run against one Prefect test
 server per session (its start-up takes 15-20 s here, hence the long timeout). The test-only fault points
 (tests/faults) are installed in this process, and in every Python process the tests start: their folder with its
-``sitecustomize.py`` goes first on ``PYTHONPATH``."""
+``sitecustomize.py`` goes first on ``PYTHONPATH``.
+
+The suite leaves nothing in the home folder: HOME (and XDG_CACHE_HOME / XDG_CONFIG_HOME) point into the session's
+state for this process and every process it starts, since the tools the tests drive keep files there by themselves
+(Ray's ~/.ray/auth_token, vLLM's ~/.cache/vllm, Chromium's ~/.config/chromium and ~/.cache/dconf). At the end the
+real home is compared with what it held at the start, and anything new fails the session (HOME_WRITES names it)."""
 
 import os
 import tempfile
@@ -14,6 +19,20 @@ os.environ["PREFECT_HOME"] = str(_STATE / "prefect")
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_STATE / "prefect" / "storage")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_STATE / 'mlflow.db'}"
 os.environ.pop("OPD_REGISTRY", None)
+
+_REAL_HOME = Path(os.path.expanduser("~"))
+# Where tools put their own files: the home's top level and its .cache and .config folders.
+_HOME_SPOTS = (_REAL_HOME, _REAL_HOME / ".cache", _REAL_HOME / ".config")
+
+
+def home_entries() -> set[str]:
+    return {str(p) for d in _HOME_SPOTS if d.is_dir() for p in d.iterdir()}
+
+
+_HOME_BEFORE = home_entries()
+for _var, _sub in (("HOME", "home"), ("XDG_CACHE_HOME", "home/.cache"), ("XDG_CONFIG_HOME", "home/.config")):
+    (_STATE / _sub).mkdir(parents=True, exist_ok=True)
+    os.environ[_var] = str(_STATE / _sub)
 
 from tests.faults import SITE, install  # noqa: E402
 
@@ -66,6 +85,9 @@ def vllm_outcomes(stats: dict) -> dict[str, int]:
 
 def pytest_sessionfinish(session, exitstatus):
     # Runs before the terminal reporter's summary, and what it leaves in session.exitstatus is the exit code.
+    session.config._opd_home_writes = sorted(home_entries() - _HOME_BEFORE)
+    if session.config._opd_home_writes and session.exitstatus in (0, 5):
+        session.exitstatus = 1
     if not REQUIRE_VLLM:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -75,6 +97,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for path in getattr(config, "_opd_home_writes", []):
+        terminalreporter.write_line(f"HOME_WRITES: the suite left {path} in the home folder", red=True)
     counts = getattr(config, "_opd_vllm_counts", None)
     if counts is None:
         return

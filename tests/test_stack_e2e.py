@@ -134,7 +134,8 @@ def chromium():
     from selenium.webdriver.chrome.service import Service
 
     for exe in ("/usr/bin/chromium", "/usr/bin/chromedriver"):
-        assert shutil.which(exe), f"{exe} missing: `make setup` installs Debian's chromium and chromium-driver"
+        assert shutil.which(exe), (f"{exe} missing: `make browser-deps` (part of `make test`) installs Debian's "
+                                   "chromium and chromium-driver")
     opts = webdriver.ChromeOptions()
     opts.binary_location = "/usr/bin/chromium"
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
