@@ -35,7 +35,7 @@ from teachers.router import Router
 def route_teachers(cfg: MergeConfig, prompt_set: str) -> Router:
     """Map every route of the prompt set to its registered teacher(s) (``cfg.teachers``, else the spec's per-route
     ``teacher`` or ``teachers``) and print the coverage report (or fail naming the routes that have teachers)."""
-    ps = load_prompt_set(prompt_set)
+    ps = load_prompt_set(prompt_set, cfg.routes)
     router = Router.for_merge(TeacherRegistry(), ps.routes, cfg.teachers, ps.spec)
     counts = {r: len(d) for r, d in ps.rows("train").items()}
     say("routing coverage:\n" + router.format_coverage(counts))  # its warnings were said by the preflight

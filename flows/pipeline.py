@@ -36,19 +36,28 @@ def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     say(f"[1/3] prepare base ({cfg.profile} profile, {where}: routes {', '.join(routes)})")
     base = prepare_base(cfg.pretrain())
     say(f"[2/3] train specialists ({len(routes)} routes)")
-    teachers = train_specialists(cfg.specialists(base["uri"]))
-    say(f"[3/3] merge {len(teachers)} teachers into one student by on-policy distillation")
-    result = merge(cfg.merge(base["uri"], teachers))
+    scfg = cfg.specialists(base["uri"])
+    teachers = train_specialists(scfg)
+    # With below_min_accuracy skip, the routes whose specialist stayed below min_accuracy have no teacher: left out.
+    kept = [r for r in routes if f"{scfg.name_prefix}-{r}" in teachers]
+    untaught = [r for r in routes if r not in kept]
+    say(f"[3/3] merge {len(teachers)} teachers into one student by on-policy distillation"
+        + (f" (routes without a teacher, left out: {', '.join(untaught)})" if untaught else ""))
+    result = merge(cfg.merge(base["uri"], teachers, routes=kept if untaught else None))
     minutes = (time.perf_counter() - t0) / 60
+    table = result["rows"] + [{"route": r, "teacher": "none (below min_accuracy)", "base_accuracy": None,
+                               "teacher_accuracy": None, "student_accuracy": None, "retention": None} for r in untaught]
     link(run_url(result["run_id"]), f"MLflow run of the merge ({result['mean_retention']:.3f} mean retention)",
          "pipeline-mlflow-run", "The merge's per-route retention, curves and student checkpoint")
     say(f"pipeline done in {minutes:.1f} min; mean retention {result['mean_retention']:.3f}\n"
-        f"{format_retention_table(result['rows'])}\n"
+        f"{format_retention_table(table)}\n"
         + "".join(f"  retention of {group}: {value:.3f}\n" for group, value in result["retention_by"].items())
         + "".join(f"{line}\n" for line in [below_base(result["rows"])] if line)
+        + (f"routes without a teacher (their specialist stayed below min_accuracy {cfg.min_accuracy}), not merged: "
+           f"{', '.join(untaught)}\n" if untaught else "")
         + f"MLflow run {result['run_id']} (experiment {cfg.experiment}) in {tracking_uri()}\n"
         f"  look at it: make ui-mlflow  (http://127.0.0.1:5000)")
-    return {"base_uri": base["uri"], "teachers": teachers, **result, "minutes": minutes}
+    return {"base_uri": base["uri"], "teachers": teachers, **result, "minutes": minutes, "untaught": untaught}
 
 
 def main(argv: list[str] | None = None) -> dict:

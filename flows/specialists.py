@@ -107,7 +107,10 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
         failed += [f"{r}: accuracy {a:.3f} < min_accuracy {cfg.min_accuracy}" for r, a in below.items()]
         raise RuntimeError(f"{len(failed)} specialist(s) failed (the {len(names)} others are registered): " + "; ".join(failed))
     if below:  # an expected outcome, said in a few lines
-        raise SpecialistsBelowThreshold(below, cfg.min_accuracy, {r: recipes[r].steps for r in below}, names)
+        refusal = SpecialistsBelowThreshold(below, cfg.min_accuracy, {r: recipes[r].steps for r in below}, names)
+        if cfg.below_min_accuracy == "fail" or not names:
+            raise refusal
+        say("going on without them (below_min_accuracy skip):\n" + "\n".join(f"  {line}" for line in refusal.lines))
     return names
 
 

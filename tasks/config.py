@@ -511,6 +511,11 @@ class SpecialistsConfig(_Config):
                                description="Supervised training on the routes' reference completions (with "
                                "recovery_noise 0.3 by default: teachers that recover from a wrong step).")
     min_accuracy: float = Field(0.9, ge=0, le=1, description="A specialist below this eval accuracy fails the flow.")
+    below_min_accuracy: Literal["fail", "skip"] = Field(
+        "fail", description="A specialist below min_accuracy: fail (exit 2 naming it; the ones that passed stay "
+        "registered) or skip (go on without it: the pipeline merges the routes whose specialist passed and lists "
+        "the others as having no teacher). With no specialist passed it fails either way."
+    )
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once.")
     runner: Literal["threads", "ray"] = Field(
         "threads", description="Prefect task runner of the fan-out: threads (local default) or ray (extra 'ray')."
@@ -535,6 +540,10 @@ class MergeConfig(_Config):
     spec: SpecInput = spec_field()
     world: WorldConfig = Field(default_factory=WorldConfig, description=WORLD_HELP)
     student_uri: str = Field("", description="Student initialisation (local path or hub id); empty = the pipeline's base.")
+    routes: list[str] = Field(
+        default_factory=list, description="Merge only these routes of the spec (or of world.routes): their prompts, "
+        "teachers and table rows; empty = every route. The pipeline sets it with below_min_accuracy skip."
+    )
     teachers: list[str] = Field(
         default_factory=list, description="Teacher names from the registry; empty = the route spec's teacher(s) of "
         "each route, else its newest teacher. Two teachers of one route only where the spec lists both under that "
@@ -577,6 +586,7 @@ class PipelineConfig(_Config):
     )
     specialist_rl: RLConfig = Field(default_factory=RLConfig, description="GRPO settings of rl specialists.")
     min_accuracy: float = Field(0.9, ge=0, le=1, description="Specialists below this eval accuracy fail the flow.")
+    below_min_accuracy: Literal["fail", "skip"] = SpecialistsConfig.model_fields["below_min_accuracy"]
     workers: int = Field(2, ge=1, le=64, description="Specialists trained at once (Prefect thread task runner).")
     opd: OPDConfig = Field(default_factory=OPDConfig, description="The merge: objectives, stages, rollouts, "
                            "evaluation and checkpoints.")
@@ -602,15 +612,18 @@ class PipelineConfig(_Config):
         return SpecialistsConfig(
             spec=self.spec, world=self.world, base_uri=base_uri, train=self.specialist_train, trainer=self.specialist_trainer,
             rl=self.specialist_rl,
-            min_accuracy=self.min_accuracy, workers=self.workers, retries=self.retries,
+            min_accuracy=self.min_accuracy, below_min_accuracy=self.below_min_accuracy, workers=self.workers,
+            retries=self.retries,
             retry_delay_seconds=self.retry_delay_seconds,
         )
 
     def merge(self, student_uri: str, teachers: list[str], opd: dict[str, Any] | None = None,
-              label: str = "") -> MergeConfig:
-        """The merge of this pipeline; ``opd`` overrides some of its ``opd`` fields (a variant named ``label``)."""
+              label: str = "", routes: list[str] | None = None) -> MergeConfig:
+        """The merge of this pipeline; ``opd`` overrides some of its ``opd`` fields (a variant named ``label``);
+        ``routes`` merges only those (the routes whose specialist passed)."""
         return MergeConfig(
             spec=self.spec, world=self.world, student_uri=student_uri, teachers=teachers, experiment=self.experiment,
+            routes=routes or [],
             opd=self.opd.model_validate({**self.opd.model_dump(), **(opd or {})}), label=label,
             retries=self.retries, retry_delay_seconds=self.retry_delay_seconds,
         )

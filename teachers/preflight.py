@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any
 
 from tasks.common.paths import models_dir, registry_path
+from tasks.specs.spec import spec_label
 from tasks.modeling.routing import combining_refusal, guided_refusal
 from tasks.preflight import (
     CONFIG,
@@ -82,6 +83,11 @@ def preflight_merge(cfg, registry=None, say_warnings: bool = True) -> Report:
     if not any(p.field == "student_uri" for p in problems):  # the prompts are rendered with the student's tokenizer
         ps, found = spec_problems(cfg, student_uri)
         problems += found
+    if ps is not None and cfg.routes:  # a merge of some of the routes (the pipeline's below_min_accuracy skip)
+        if unknown := [r for r in cfg.routes if r not in ps.routes]:
+            where = spec_label(cfg.spec) if cfg.spec else "world.routes"
+            problems.append(Problem(CONFIG, "routes", f"no route(s) {unknown} in {where}; expected some of {ps.routes}"))
+        ps = ps.restricted([r for r in cfg.routes if r in ps.routes] or ps.routes)
     routes = ps.routes if ps is not None else (cfg.world.routes if not cfg.spec else [])
     current = ps.path.name if ps is not None else ""
     held_out = ps.eval_sets() if ps is not None else {}

@@ -427,6 +427,19 @@ def test_good_input_passes_and_the_flow_goes_on_to_its_first_step(project, monke
         merge.fn(project.cfg)
 
 
+def test_a_merge_of_some_routes_needs_teachers_for_those_only_and_refuses_an_unknown_route(project, monkeypatch):
+    prompt_set = world_prompt_set(project.cfg.world, project.cfg.student_uri)
+    project.teacher("rev-low", data=prompt_set.name)
+    project.registry.remove("spec-sort-low")  # no teacher for sort-low
+    err = refusal(monkeypatch, lambda: preflight_merge(project.cfg, say_warnings=False))
+    assert_names(err, "registry.json", "routes", "expected a registered teacher for every route")
+    report = preflight_merge(project.cfg.model_copy(update={"routes": ["rev-low"]}), say_warnings=False)
+    assert report.routes == ["rev-low"] and report.teachers == {"rev-low": "spec-rev-low"}
+    err = refusal(monkeypatch, lambda: preflight_merge(project.cfg.model_copy(update={"routes": ["rev-low", "nope"]}),
+                                                       say_warnings=False))
+    assert [(p.field, p.message.split(" in ")[0]) for p in err.problems] == [("routes", "no route(s) ['nope']")]
+
+
 def test_teacher_for_a_route_no_prompt_uses_is_a_warning(project, monkeypatch, capsys):
     project.teacher("rev-low")
     project.registry.register_checkpoint("spec-shift-low", "shift-low", project.teachers["rev-low"], project.tok)

@@ -253,7 +253,7 @@ class MergeLoop:
                  checkpoints: MergeCheckpoints | None = None):
         opd = self.opd = cfg.opd
         torch.manual_seed(opd.seed)
-        self.ps = load_prompt_set(prompt_set)
+        self.ps = load_prompt_set(prompt_set, cfg.routes)
         self.run_id, self.router, self.routes = run_id, router, self.ps.routes
         self.verifiers, self.exact = self.ps.verifiers, self.ps.exact_verifiers
         # Each route's rollout sampling (its spec's generate.temperature, else opd.sample_temperature; top_p; stop).

@@ -208,6 +208,14 @@ class PromptSet:
     """A built prompt set, read back: its routes in spec order, their splits, verifiers, caps and labels."""
 
     path: Path
+    only: tuple[str, ...] = ()  # a merge of some of the spec's routes (MergeConfig.routes); empty = all of them
+
+    def restricted(self, routes: list[str] | tuple[str, ...]) -> "PromptSet":
+        """The same prompt set seen through ``routes`` only (spec order kept); empty = every route. Raises KeyError
+        naming a route the spec does not have."""
+        if unknown := [r for r in routes if r not in {x.name for x in self.spec.routes}]:
+            raise KeyError(f"no route(s) {unknown} in {self.spec.path or 'the spec'}; routes: {self.routes}")
+        return PromptSet(self.path, tuple(routes))
 
     @cached_property
     def _meta(self) -> dict[str, Any]:
@@ -220,7 +228,7 @@ class PromptSet:
 
     @property
     def routes(self) -> list[str]:
-        return [r.name for r in self.spec.routes]
+        return [r.name for r in self.spec.routes if not self.only or r.name in self.only]
 
     @property
     def spec_sha256(self) -> str:
@@ -313,8 +321,9 @@ class PromptSet:
         return load_tokenizer(self.tokenizer_path)
 
 
-def load_prompt_set(path: str | Path) -> PromptSet:
+def load_prompt_set(path: str | Path, routes: list[str] | tuple[str, ...] = ()) -> PromptSet:
+    """A built prompt set; ``routes`` restricts it to some of its routes (:meth:`PromptSet.restricted`)."""
     p = Path(path)
     if not (p / "DONE").exists():
         raise FileNotFoundError(f"{p} is not a finished prompt set (no DONE): build it with build_prompt_set")
-    return PromptSet(p)
+    return PromptSet(p).restricted(routes) if routes else PromptSet(p)
