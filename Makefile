@@ -7,17 +7,18 @@
 # system-wide pip installs, and a laptop's system Python should not get our pins). `source .venv/bin/activate` to run
 # the README's python -m / opd-... commands by hand. PY=/path/to/python uses an environment of your own instead.
 VENV = .venv
-PY ?= $(CURDIR)/$(VENV)/bin/python
+VENV_PY = $(CURDIR)/$(VENV)/bin/python
+PY ?= $(VENV_PY)
 PIP = $(PY) -m pip --disable-pip-version-check -q
 
 .PHONY: setup constraints vllm-env bench-env browser-deps main quick real objectives benchmark test test-fast mutation stack-up stack-down deployments ui-prefect ui-mlflow clean-state
 
-ifeq ($(PY),$(CURDIR)/$(VENV)/bin/python)
+ifeq ($(PY),$(VENV_PY))
 $(PY):
 	python3 -m venv $(VENV)
 endif
 
-setup: $(filter $(CURDIR)/$(VENV)/bin/python,$(PY))
+setup: $(filter $(VENV_PY),$(PY))
 	$(PIP) install torch==2.13.0          # first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(PIP) install -c infra/constraints.txt -e ".[dev,ray,real]"   # the versions the suite passed with
 

@@ -39,7 +39,7 @@ def pipeline(cfg: PipelineConfig = PipelineConfig()) -> dict:
     scfg = cfg.specialists(base["uri"])
     teachers = train_specialists(scfg)
     # With below_min_accuracy skip, the routes whose specialist stayed below min_accuracy have no teacher: left out.
-    kept = [r for r in routes if f"{scfg.name_prefix}-{r}" in teachers]
+    kept = [r for r in routes if scfg.teacher_name(r) in teachers]
     untaught = [r for r in routes if r not in kept]
     say(f"[3/3] merge {len(teachers)} teachers into one student by on-policy distillation"
         + (f" (routes without a teacher, left out: {', '.join(untaught)})" if untaught else ""))

@@ -93,7 +93,7 @@ def train_specialists(cfg: SpecialistsConfig = SpecialistsConfig()) -> list[str]
         if res["accuracy"] < cfg.min_accuracy:
             below[route] = res["accuracy"]
             continue
-        name = f"{cfg.name_prefix}-{route}"
+        name = cfg.teacher_name(route)
         record = registry.register_checkpoint(
             name, route, res["uri"], Path(prompt_set) / "tokenizer", eval_score=res["accuracy"], replace=True,
             provenance=Provenance(base=base_fp, data=Path(prompt_set).name, config_hash=recipes[route].config_hash(),

@@ -533,6 +533,10 @@ class SpecialistsConfig(_Config):
     )
     retry_delay_seconds: float = Field(10.0, ge=0, le=3600, description="Wait before each retry.")
 
+    def teacher_name(self, route: str) -> str:
+        """The registry name of ``route``'s specialist: PREFIX-ROUTE."""
+        return f"{self.name_prefix}-{route}"
+
 
 class MergeConfig(_Config):
     """Flow `merge`: on-policy distillation of the routed teachers into one student."""
